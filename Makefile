@@ -1,0 +1,35 @@
+# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+STAMP := $(VENV)/.hetero-installed
+HVD_STAMP := $(VENV)/.horovod-installed
+
+.PHONY: install horovod demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=23"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,demo]" mpi4py mpich cmake
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Horovod 0.28.1 patched for torch 2.x (C++17), built once and cached in ~/.cache/hetero_plugins.
+$(HVD_STAMP): $(STAMP) scripts/install_horovod.sh
+	bash scripts/install_horovod.sh $(PY)
+	@touch $(HVD_STAMP)
+
+horovod: $(HVD_STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hetero-plugins demo
+
+test: $(STAMP) $(HVD_STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP) $(HVD_STAMP)
+	$(VENV)/bin/hetero-plugins bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,376 @@
+"""``BatchBalancer``: per-rank batch sizes rebalanced every epoch, with sample-weighted gradients.
+
+Drop it beside the stock ``"ddp"`` / ``"ddp_spawn"`` strategy::
+
+    trainer = Trainer(strategy="ddp", devices=4, callbacks=[BatchBalancer()])
+
+Every epoch each rank times its steps (from batch start until its gradients are ready, before waiting for
+the others), the ranks all-gather the records, rank 0's planner decides the next plan, the plan is broadcast
+and applied at the next epoch start. The global batch, ``batch_size x world_size`` of the user's
+``DataLoader``, never changes. Gradients are combined as sum_i (b_i / B) g_i through a DDP comm hook that the
+callback registers itself (Lightning ignores ``ddp_comm_hook=`` on CPU).
+
+The callback swaps the sampler inside the train loader's ``BatchSampler`` (the ``DistributedSampler`` that
+Lightning injected) for a :class:`~hetero_plugins.sampler.HeteroDistributedSampler` and sets the
+``BatchSampler``'s ``batch_size``; both are public attributes of torch's samplers. The first epoch runs with
+Lightning's own sampler (its iterator already exists when callbacks first see the loader); with
+``HeteroDDPStrategy`` the balanced sampler is in place from the start, for validation too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+
+from hetero_plugins._validation import check_float
+from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
+from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
+from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler
+from hetero_plugins.telemetry import StepTimer, memory_cap
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BatchBalancer"]
+
+
+class BatchBalancer(Callback):
+    """Rebalances per-rank batch sizes every epoch and weights gradients by each rank's samples.
+
+    Args:
+        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
+            :class:`~hetero_plugins.allocators.Allocator`.
+        min_batch_size: smallest local batch a rank may get (raise it for BatchNorm models).
+        max_batch_size: largest local batch a rank may get; ``None`` for no cap besides measured GPU memory.
+        min_gain: a new plan must be predicted this much faster (relative) to replace the current one.
+        half_life: forgetting of the per-rank time models, in steps.
+        locality: keep each rank's shard of the data across epochs and plan changes (LOFT).
+        balance_eval: give validation/test/predict loaders per-rank batch sizes too (strategy only).
+        memory_headroom: fraction of GPU memory the memory cap allows a rank to use.
+        log_metrics: log ``hetero/*`` metrics through the LightningModule's logger.
+
+    Attributes:
+        batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
+        plan_history: one dict per epoch: ``epoch``, ``batch_sizes``, ``throughput`` (per rank, samples/s of
+            compute), ``straggler_level``, ``idle_fraction``, ``predicted_epoch_time``,
+            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``.
+    """
+
+    def __init__(
+        self,
+        allocator: str | Allocator = "equal_finish",
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        min_gain: float = 0.03,
+        half_life: float = 12.0,
+        locality: bool = True,
+        balance_eval: bool = True,
+        memory_headroom: float = 0.9,
+        log_metrics: bool = True,
+    ) -> None:
+        # Validate every option now, in the launching process, before any rank starts.
+        probe = BalancePlanner(
+            world_size=1, global_batch=max(min_batch_size, 1) if isinstance(min_batch_size, int) else 1,
+            allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            min_gain=min_gain, half_life=half_life,
+        )
+        self.allocator = probe.allocator
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.min_gain = min_gain
+        self.half_life = half_life
+        self.locality = bool(locality)
+        self.balance_eval = bool(balance_eval)
+        self.memory_headroom = check_float("memory_headroom", memory_headroom, minimum=0.0, maximum=1.0, strict_minimum=True)
+        self.log_metrics = bool(log_metrics)
+        self.planner: BalancePlanner | None = None
+        self.timer = StepTimer()
+        self._hook_state: WeightedAllreduceState | None = None
+        self._external_weighting: Any = None
+        self._pending_state: dict[str, Any] | None = None
+        self._train_sampler: HeteroDistributedSampler | None = None
+        self._epoch_start: float | None = None
+        self._epoch_end: float | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def batch_plan(self) -> list[int] | None:
+        return None if self.planner is None else list(self.planner.plan)
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        return [] if self.planner is None else list(self.planner.history)
+
+    @property
+    def state_key(self) -> str:
+        return "BatchBalancer"
+
+    def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel, world_size: int) -> None:
+        """Register the sample-weighted all-reduce hook on ``ddp_model`` (once)."""
+        if self._hook_state is not None:
+            return
+        self._hook_state = WeightedAllreduceState(1.0 / world_size, timer=self.timer)
+        ddp_model.register_comm_hook(self._hook_state, weighted_allreduce_hook)
+
+    def attach_weighting(self, weighting: Any) -> None:
+        """Use an external gradient weighting (an object with ``set_weight(float)``), e.g. Horovod's."""
+        self._external_weighting = weighting
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        norms = [m for m in pl_module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if norms and not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) and self.min_batch_size < 8:
+            rank_zero_warn(
+                f"BatchBalancer: the model has {len(norms)} BatchNorm layer(s) and a rank may get as few as "
+                f"{self.min_batch_size} sample(s) per step, which makes BatchNorm statistics noisy. HINT: use "
+                "`Trainer(sync_batchnorm=True)` or raise `min_batch_size` (e.g. 8).",
+                category=RuntimeWarning,
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._external_weighting is not None or self._hook_state is not None:
+            return
+        model = trainer.strategy.model
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self.attach_ddp(model, trainer.world_size)
+        elif trainer.world_size > 1:
+            raise RuntimeError(
+                f"BatchBalancer needs gradients it can weight, but the strategy {type(trainer.strategy).__name__} "
+                "does not wrap the model in DistributedDataParallel. HINT: use strategy='ddp', 'ddp_spawn', "
+                "'hetero_ddp' or 'hetero_horovod'."
+            )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ensure_planner(trainer)
+        dl = trainer.train_dataloader
+        if isinstance(dl, DataLoader) and trainer.current_epoch > 0:
+            self._install(dl, trainer, train=True)
+            if self._train_sampler is not None:
+                self._train_sampler.set_epoch(trainer.current_epoch)
+        self.timer.pop_records()
+        self.timer.reset_data_clock()
+        self._epoch_start = self._epoch_end = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        counts = self._step_counts(trainer, batch_idx)
+        if counts is not None:
+            local, total = counts[trainer.global_rank], sum(counts)
+        else:
+            local, total = self._batch_size(batch), 0
+        weight = local / total if total else 1.0 / trainer.world_size
+        if self._hook_state is not None:
+            self._hook_state.weight = weight
+        if self._external_weighting is not None:
+            self._external_weighting.set_weight(weight)
+        now = time.perf_counter()
+        if self._epoch_start is None:
+            self._epoch_start = now
+        self.timer.start_step(local)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.timer.mark_backward_end()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.timer.end_step()
+        self._epoch_end = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        planner = self._ensure_planner(trainer)
+        if planner is None:
+            return
+        strategy = trainer.strategy
+        records = np.array([r.as_tuple() for r in self.timer.pop_records()], dtype=np.float64).reshape(-1, 3)
+        elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
+        cap = self._local_memory_cap(trainer)
+        # Steps per rank are equal under DDP, but pad defensively so the gather never mismatches.
+        header = torch.tensor([len(records), elapsed, float(cap)], dtype=torch.float64)
+        headers = _gather(strategy, header)
+        steps = int(headers[:, 0].max().item())
+        padded = np.zeros((steps, 3))
+        padded[: len(records)] = records
+        gathered = _gather(strategy, torch.from_numpy(padded)).cpu().numpy()
+        caps = [None if c < 0 else int(c) for c in headers[:, 2].tolist()]
+        entry = planner.end_epoch(trainer.current_epoch, gathered, epoch_time=float(headers[:, 1].max()), memory_caps=caps)
+        plan = strategy.broadcast(list(planner.plan), src=0)
+        planner.plan = [int(b) for b in plan]
+        entry["next_batch_sizes"] = list(planner.plan)
+        if self.log_metrics:
+            metrics = {f"hetero/batch_size/rank_{r}": float(b) for r, b in enumerate(entry["batch_sizes"])}
+            metrics["hetero/straggler_level"] = float(entry["straggler_level"])
+            metrics["hetero/idle_fraction"] = float(entry["idle_fraction"])
+            if entry["samples_per_s"] is not None:
+                metrics["hetero/samples_per_s"] = float(entry["samples_per_s"])
+            pl_module.log_dict(metrics, sync_dist=True)  # equal on every rank; the sync only silences a warning
+        rank_zero_info(
+            f"BatchBalancer: epoch {entry['epoch']} batch sizes {entry['batch_sizes']} straggler level "
+            f"{entry['straggler_level']:.3f}; next {entry['next_batch_sizes']}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.planner is not None:
+            return {"planner": self.planner.state_dict()}
+        return dict(self._pending_state or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_state = dict(state_dict)
+        if self.planner is not None and "planner" in state_dict:
+            self.planner.load_state_dict(state_dict["planner"])
+            self._pending_state = None
+
+    # ------------------------------------------------------------------ data loaders
+    def prepare_dataloader(self, dataloader: object, trainer: pl.Trainer) -> object:
+        """Install per-rank batch sizes in a loader Lightning prepared (called by ``HeteroDDPStrategy``)."""
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        stage = trainer.state.stage
+        if stage == RunningStage.TRAINING:
+            self._install(dataloader, trainer, train=True)
+        elif self.balance_eval and stage is not None:
+            self._install(dataloader, trainer, train=False)
+        return dataloader
+
+    def _ensure_planner(self, trainer: pl.Trainer) -> BalancePlanner | None:
+        if self.planner is not None:
+            return self.planner
+        dl = trainer.train_dataloader
+        if not isinstance(dl, DataLoader) or dl.batch_sampler is None:
+            self._warn_once("loader", "BatchBalancer: the train dataloader is not a single batched DataLoader; "
+                            "batch sizes stay as they are.")
+            return None
+        bs = dl.batch_sampler
+        world = trainer.world_size
+        if isinstance(bs, HeteroBatchSampler):
+            plan, n = list(bs.plan), bs.sampler.num_samples
+        else:
+            inner = getattr(bs, "sampler", None)
+            if isinstance(inner, HeteroDistributedSampler):
+                plan, n = list(inner.plan), inner.num_samples
+            else:
+                local = getattr(bs, "batch_size", None)
+                if not isinstance(local, int):
+                    return None
+                plan = [local] * world
+                n = len(inner.dataset) if isinstance(inner, DistributedSampler) else len(dl.dataset)  # type: ignore[arg-type]
+        global_batch = sum(plan)
+        if n < global_batch:
+            raise ValueError(
+                f"the training dataset has {n} samples, fewer than one global batch of {global_batch} "
+                f"(batch_size {plan[0]} x {world} ranks). HINT: lower the DataLoader's batch_size to at most "
+                f"{max(1, n // world)}."
+            )
+        self.planner = BalancePlanner(
+            world_size=world, global_batch=global_batch, allocator=self.allocator,
+            min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
+            min_gain=self.min_gain, half_life=self.half_life, initial_plan=plan,
+        )
+        if self._pending_state and "planner" in self._pending_state:
+            self.planner.load_state_dict(self._pending_state["planner"])
+            self._pending_state = None
+        return self.planner
+
+    def _install(self, dl: DataLoader, trainer: pl.Trainer, train: bool) -> bool:
+        bs = dl.batch_sampler
+        rank, world = trainer.global_rank, trainer.world_size
+        if isinstance(bs, HeteroBatchSampler):
+            sampler: HeteroDistributedSampler = bs.sampler
+            local_batch = None
+        elif type(bs) is BatchSampler and isinstance(bs.sampler, (HeteroDistributedSampler, DistributedSampler)):
+            sampler = bs.sampler  # type: ignore[assignment]
+            local_batch = bs.batch_size
+        else:
+            kind = type(getattr(bs, "sampler", bs)).__name__
+            self._warn_once(
+                f"sampler-{kind}",
+                f"BatchBalancer: cannot rebalance a loader whose sampler is {kind}; its batches stay equal. "
+                "HINT: let Lightning inject its DistributedSampler (use_distributed_sampler=True) or pass a "
+                "hetero_plugins.HeteroBatchSampler as batch_sampler.",
+            )
+            return False
+        if isinstance(sampler, DistributedSampler) and not isinstance(sampler, HeteroDistributedSampler):
+            if type(sampler) is not DistributedSampler:
+                self._warn_once("dsw", f"BatchBalancer: cannot rebalance {type(sampler).__name__}; batches stay equal.")
+                return False
+            n = len(sampler.dataset)  # type: ignore[arg-type]
+            drop_last = bool(sampler.drop_last or bs.drop_last)  # type: ignore[union-attr]
+            plan = self._plan_for(trainer, train, n, int(local_batch), world)  # type: ignore[arg-type]
+            sampler = HeteroDistributedSampler(
+                n, plan, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=drop_last,
+                locality=self.locality,
+            )
+            sampler.set_epoch(trainer.current_epoch)
+            bs.sampler = sampler  # type: ignore[union-attr]
+        else:
+            plan = self._plan_for(trainer, train, sampler.num_samples, sampler.batch_size if local_batch is None else int(local_batch), world, current=sampler.plan)
+            sampler.set_plan(plan)
+        if isinstance(bs, BatchSampler):
+            bs.batch_size = plan[rank]
+        if train:
+            self._train_sampler = sampler
+        return True
+
+    def _plan_for(
+        self, trainer: pl.Trainer, train: bool, n: int, local_batch: int, world: int,
+        current: Sequence[int] | None = None,
+    ) -> list[int]:
+        planner = self._ensure_planner(trainer) if train else self.planner
+        if train and planner is not None:
+            return list(planner.plan)
+        if current is not None and not train and planner is None:
+            return list(current)
+        # Evaluation: same global eval batch, shared in proportion to the training plan.
+        global_eval = local_batch * world if current is None else sum(current)
+        shares = [1.0 / world] * world if planner is None else [b / planner.global_batch for b in planner.plan]
+        return largest_remainder([s * global_eval for s in shares], global_eval, Bounds.uniform(world, 1))
+
+    def _step_counts(self, trainer: pl.Trainer, batch_idx: int) -> tuple[int, ...] | None:
+        s = self._train_sampler
+        dl = trainer.train_dataloader
+        if s is None or not isinstance(dl, DataLoader) or getattr(dl.batch_sampler, "sampler", None) is not s:
+            return None
+        try:
+            return s.step_counts(batch_idx)
+        except IndexError:
+            return None
+
+    @staticmethod
+    def _batch_size(batch: Any) -> int:
+        try:
+            return int(extract_batch_size(batch))
+        except Exception:
+            return 0
+
+    def _local_memory_cap(self, trainer: pl.Trainer) -> int:
+        device = trainer.strategy.root_device
+        if device.type != "cuda" or self.planner is None:
+            return -1
+        peak = torch.cuda.max_memory_allocated(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        return memory_cap(self.planner.plan[trainer.global_rank], peak, baseline, total, self.memory_headroom)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message, category=RuntimeWarning)
+
+
+def _gather(strategy: Any, t: torch.Tensor) -> torch.Tensor:
+    """``strategy.all_gather`` with a leading rank dimension (it returns the input as is without a group)."""
+    out = strategy.all_gather(t.to(strategy.root_device))
+    return out.unsqueeze(0) if out.dim() == t.dim() else out

@@ -1,0 +1,51 @@
+"""A DDP communication hook that sums gradients weighted by each rank's share of the step's samples.
+
+DDP's default hook divides every rank's gradient by the world size and sums, which is the mean over the
+step's samples only when every rank has the same batch. With per-rank batch sizes b_i the right update is
+sum_i (b_i / B) g_i, where g_i is rank i's mean gradient and B = sum_i b_i (LBB and DBS aggregate exactly
+so: Yao et al. 2024; Ye et al. 2020). The hook also time-stamps the moment each bucket becomes ready on
+this rank, which is how the telemetry measures compute time before any wait for other ranks.
+
+Register it yourself with ``ddp_model.register_comm_hook(state, weighted_allreduce_hook)``: Lightning's
+``DDPStrategy(ddp_comm_hook=...)`` is silently ignored on CPU (it registers hooks only for CUDA).
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations against the real types.
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetero_plugins.telemetry import StepTimer
+
+__all__ = ["WeightedAllreduceState", "weighted_allreduce_hook"]
+
+
+class WeightedAllreduceState:
+    """State of :func:`weighted_allreduce_hook`.
+
+    Attributes:
+        weight: this rank's share of the current step's samples, b_i / B (set before every step).
+        process_group: the group to all-reduce over (``None``: the default group).
+        timer: telemetry to notify when a bucket of gradients is ready (optional).
+        calls: number of buckets reduced so far (for diagnostics and tests).
+    """
+
+    __slots__ = ("calls", "process_group", "timer", "weight")
+
+    def __init__(self, weight: float, process_group: Any = None, timer: Optional[StepTimer] = None) -> None:
+        self.weight = float(weight)
+        self.process_group = process_group
+        self.timer = timer
+        self.calls = 0
+
+
+def weighted_allreduce_hook(state: WeightedAllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Scale this rank's bucket by ``state.weight`` and all-reduce with SUM."""
+    if state.timer is not None:
+        state.timer.mark_gradients_ready()
+    state.calls += 1
+    buffer = bucket.buffer()
+    buffer.mul_(state.weight)
+    work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])

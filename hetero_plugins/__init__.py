@@ -1,0 +1,40 @@
+"""hetero_plugins: heterogeneity-aware data-parallel training for PyTorch Lightning 2.x and Horovod.
+
+The core (this package's top-level modules) is framework-free: telemetry, time models, allocators, the
+planner, samplers and the emulator. ``hetero_plugins.callbacks`` and ``hetero_plugins.strategies`` hold the
+Lightning integration; ``hetero_plugins.horovod`` the hooks for ``horovodrun`` scripts.
+"""
+
+from hetero_plugins.allocators import ALLOCATORS, Allocator, Bounds, get_allocator
+from hetero_plugins.emulation import EmulationModel, RandomStalls, Stall
+from hetero_plugins.metrics import idle_fraction, straggler_level
+from hetero_plugins.partition import epoch_layout, epoch_shards
+from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler
+from hetero_plugins.telemetry import StepRecord, StepTimer, SystemMonitor
+from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALLOCATORS",
+    "Allocator",
+    "BalancePlanner",
+    "Bounds",
+    "EmulationModel",
+    "HeteroBatchSampler",
+    "HeteroDistributedSampler",
+    "LinearTimeModel",
+    "RandomStalls",
+    "Stall",
+    "StepRecord",
+    "StepTimer",
+    "SystemMonitor",
+    "TimeModelParams",
+    "__version__",
+    "epoch_layout",
+    "epoch_shards",
+    "get_allocator",
+    "idle_fraction",
+    "straggler_level",
+]

@@ -1,0 +1,64 @@
+"""Argument checks shared by the public classes: each error names the argument, the value and the fix."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, hint: str = "") -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).{_hint(hint)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.{_hint(hint)}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    strict_minimum: bool = False,
+    hint: str = "",
+) -> float:
+    """Return ``float(value)`` if it is a finite real number within the bounds, else raise ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.{_hint(hint)}")
+    value = float(value)
+    if minimum is not None:
+        if strict_minimum and value <= minimum:
+            raise ValueError(f"`{name}` must be > {minimum}, got {value}.{_hint(hint)}")
+        if not strict_minimum and value < minimum:
+            raise ValueError(f"`{name}` must be >= {minimum}, got {value}.{_hint(hint)}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"`{name}` must be <= {maximum}, got {value}.{_hint(hint)}")
+    return value
+
+
+def check_positive_floats(name: str, values: Any, *, length: int | None = None, hint: str = "") -> list[float]:
+    """Return ``values`` as a list of floats, each finite and > 0, optionally of a given length."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
+        raise ValueError(f"`{name}` must be a non-empty sequence of positive numbers, got {values!r}.{_hint(hint)}")
+    if length is not None and len(values) != length:
+        raise ValueError(f"`{name}` must have {length} entries (one per rank), got {len(values)}: {list(values)!r}.{_hint(hint)}")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"`{name}[{i}]` must be a positive finite number, got {v!r}.{_hint(hint)}")
+        out.append(float(v))
+    return out
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise ``ValueError`` listing them."""
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {sorted(choices)}, got {value!r}.")
+    return value
+
+
+def _hint(hint: str) -> str:
+    return f" HINT: {hint}" if hint else ""

@@ -1,0 +1,123 @@
+"""A small real workload: a CNN on scikit-learn's bundled digits (1,797 8x8 images; no download)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+__all__ = ["DigitsCNN", "RunRecorder", "digits_datasets"]
+
+
+def digits_datasets(seed: int = 0, val_fraction: float = 0.2, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
+    """Train/validation split of the digits data, pixels scaled to [0, 1], shape (N, 1, 8, 8)."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(x))
+    n_val = int(round(val_fraction * len(x)))
+    val, train = order[:n_val], order[n_val:]
+    xt = torch.tensor(x / 16.0, dtype=dtype).reshape(-1, 1, 8, 8)
+    yt = torch.tensor(y, dtype=torch.long)
+    return TensorDataset(xt[train], yt[train]), TensorDataset(xt[val], yt[val])
+
+
+class DigitsCNN(pl.LightningModule):
+    """Two conv layers and two linear layers; SGD with momentum. Logs ``val_acc`` and ``val_loss``."""
+
+    def __init__(self, lr: float = 0.05, momentum: float = 0.9, batch_size: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        )
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(y))
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", self.loss(logits, y), sync_dist=True, batch_size=len(y))
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True, batch_size=len(y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+    def train_dataloader(self) -> DataLoader:
+        train, _ = digits_datasets(self.hparams.seed)
+        return DataLoader(train, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        _, val = digits_datasets(self.hparams.seed)
+        return DataLoader(val, batch_size=self.hparams.batch_size)
+
+
+class RunRecorder(Callback):
+    """Rank 0 writes, after every epoch, a JSON file with timings, metrics and the balancer's history.
+
+    Epoch time is the training part of the epoch (first batch start to last batch end, as rank 0 sees it,
+    which under synchronous training is every rank's); validation time is excluded.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.epochs: list[dict[str, Any]] = []
+        self._t0: float | None = None
+        self._last: float | None = None
+        self._start = time.perf_counter()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._last = time.perf_counter()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self._t0 is None or self._last is None:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+        self.epochs.append({
+            "epoch": trainer.current_epoch,
+            "train_time": self._last - self._t0,
+            "wall_time": time.perf_counter() - self._start,
+            **metrics,
+        })
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        history = getattr(trainer.strategy, "plan_history", None)
+        if history is None:
+            for cb in trainer.callbacks:
+                if hasattr(cb, "plan_history"):
+                    history = cb.plan_history
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"epochs": self.epochs, "plan_history": history or []}, indent=1))

@@ -1,0 +1,208 @@
+"""The per-epoch balancing decision, free of any framework: measurements in, next plan out.
+
+One :class:`BalancePlanner` holds a time model per rank, an allocator and the damping rule. Integrations
+(Lightning callback/strategy, Horovod hooks) gather every rank's step records at the end of an epoch, feed
+them to the planner on every rank (the models stay identical everywhere, so any rank's checkpoint holds
+them all), let rank 0's decision win by broadcasting it, and apply it at the next epoch start.
+
+Damping: a new plan replaces the current one only when its predicted step makespan is at least
+``min_gain`` (default 3%) shorter, so noise does not make plans flap (AdaptDL's speedup threshold; LBB's
+hysteresis).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins._validation import check_float, check_int
+from hetero_plugins.allocators import Allocator, Bounds, get_allocator, largest_remainder
+from hetero_plugins.metrics import idle_fraction, straggler_level
+from hetero_plugins.time_model import LinearTimeModel
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BalancePlanner"]
+
+
+class BalancePlanner:
+    """Per-epoch planner of per-rank batch sizes for a fixed global batch.
+
+    Args:
+        world_size: number of ranks.
+        global_batch: samples per optimizer step over all ranks; never changed by the planner.
+        allocator: ``"static"``, ``"proportional"``, ``"equal_finish"`` (default), ``"lbb"`` or an
+            :class:`~hetero_plugins.allocators.Allocator`.
+        min_batch_size: smallest local batch any rank may get.
+        max_batch_size: largest local batch any rank may get (``None``: unbounded); per-rank memory caps
+            passed to :meth:`end_epoch` tighten it.
+        min_gain: relative predicted speed-up a new plan needs before it is adopted.
+        half_life: forgetting of the time models, in observed steps.
+        warmup_steps: steps at the start of the first observed epoch that are ignored (lazy initialisation).
+        initial_plan: the plan of the first epoch; default an equal split.
+
+    Example::
+
+        >>> p = BalancePlanner(world_size=2, global_batch=64)
+        >>> p.plan
+        [32, 32]
+        >>> rec = np.array([[[32, 0.032, 0.0]] * 5, [[32, 0.128, 0.0]] * 5])  # rank 1 is 4x slower
+        >>> entry = p.end_epoch(0, rec, epoch_time=0.64)
+        >>> p.plan
+        [51, 13]
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        global_batch: int,
+        allocator: str | Allocator = "equal_finish",
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        min_gain: float = 0.03,
+        half_life: float = 12.0,
+        warmup_steps: int = 1,
+        initial_plan: Sequence[int] | None = None,
+    ) -> None:
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.global_batch = check_int("global_batch", global_batch, minimum=1)
+        self.allocator = get_allocator(allocator)
+        self.min_batch_size = check_int(
+            "min_batch_size", min_batch_size, minimum=1, hint="every rank needs at least one sample per step"
+        )
+        if max_batch_size is not None:
+            check_int("max_batch_size", max_batch_size, minimum=min_batch_size)
+        self.max_batch_size = max_batch_size
+        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, maximum=1.0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.models = [LinearTimeModel(half_life=half_life) for _ in range(world_size)]
+        self.memory_caps: list[int | None] = [None] * world_size
+        self.bounds.check_feasible(global_batch)
+        if initial_plan is None:
+            self.plan = largest_remainder([global_batch / world_size] * world_size, global_batch, self.bounds)
+        else:
+            self.plan = self._checked_plan(initial_plan)
+        self.history: list[dict[str, Any]] = []
+        self._predicted_step_time: float | None = None
+        self._epochs_observed = 0
+
+    @property
+    def bounds(self) -> Bounds:
+        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
+        caps = [hi if c is None else max(self.min_batch_size, min(hi, c)) for c in self.memory_caps]
+        return Bounds((self.min_batch_size,) * self.world_size, tuple(caps))
+
+    def _checked_plan(self, plan: Sequence[int]) -> list[int]:
+        plan = [int(b) for b in plan]
+        if len(plan) != self.world_size or sum(plan) != self.global_batch or min(plan) < self.min_batch_size:
+            raise ValueError(
+                f"`initial_plan`={plan} must have {self.world_size} entries >= {self.min_batch_size} summing to "
+                f"the global batch {self.global_batch}."
+            )
+        return plan
+
+    def model_params(self) -> list[Any]:
+        return [m.params() for m in self.models]
+
+    def predict_step_time(self, plan: Sequence[int]) -> float:
+        """Predicted makespan (slowest rank's compute seconds) of one step under ``plan``; nan if unknown."""
+        params = self.model_params()
+        if any(p is None for p in params):
+            return float("nan")
+        return max(p.predict(b) for p, b in zip(params, plan))
+
+    def observe(self, records: np.ndarray) -> None:
+        """Feed an epoch's records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
+        records = np.asarray(records, dtype=np.float64)
+        if records.ndim != 3 or records.shape[0] != self.world_size or records.shape[2] < 2:
+            raise ValueError(f"`records` must have shape (world_size={self.world_size}, steps, 3), got {records.shape}.")
+        skip = self.warmup_steps if self._epochs_observed == 0 else 0
+        for r in range(self.world_size):
+            for b, t in records[r, skip:, :2]:
+                if b > 0:
+                    self.models[r].observe(b, t)
+        self._epochs_observed += 1
+
+    def end_epoch(
+        self,
+        epoch: int,
+        records: np.ndarray,
+        epoch_time: float | None = None,
+        memory_caps: Sequence[int | None] | None = None,
+    ) -> dict[str, Any]:
+        """Learn from an epoch, decide the next plan, and return this epoch's history entry."""
+        records = np.asarray(records, dtype=np.float64)
+        self.observe(records)
+        if memory_caps is not None:
+            self.memory_caps = list(memory_caps)
+        used = list(self.plan)
+        per_rank_compute, per_rank_throughput = [], []
+        for r in range(self.world_size):
+            b, t = records[r, :, 0], records[r, :, 1]
+            full = (b == used[r]) & (b > 0)
+            sel = full if full.any() else b > 0
+            per_rank_compute.append(float(np.median(t[sel])) if sel.any() else float("nan"))
+            per_rank_throughput.append(float(b[sel].sum() / max(t[sel].sum(), 1e-12)) if sel.any() else 0.0)
+        steps = int(records.shape[1])
+        samples = int(records[:, :, 0].sum())
+        valid = [t for t in per_rank_compute if math.isfinite(t)]
+        entry: dict[str, Any] = {
+            "epoch": int(epoch),
+            "batch_sizes": used,
+            "throughput": per_rank_throughput,
+            "compute_time": per_rank_compute,
+            "straggler_level": straggler_level(valid) if valid else 0.0,
+            "idle_fraction": idle_fraction(valid) if valid else 0.0,
+            "predicted_epoch_time": None if self._predicted_step_time is None else self._predicted_step_time * steps,
+            "measured_epoch_time": None if epoch_time is None else float(epoch_time),
+            "samples": samples,
+            "samples_per_s": None if not epoch_time else samples / float(epoch_time),
+        }
+        entry.update(self._decide())
+        self.history.append(entry)
+        return entry
+
+    def _decide(self) -> dict[str, Any]:
+        bounds = self.bounds
+        current = list(self.plan)
+        proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)
+        t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
+        out_of_bounds = any(not lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch))
+        gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
+        adopt = proposal != current and (out_of_bounds or gain > self.min_gain)
+        if adopt:
+            log.info("BalancePlanner: new plan %s -> %s (predicted gain %.1f%%)", current, proposal, 100 * gain)
+            self.plan = list(proposal)
+        self._predicted_step_time = self.predict_step_time(self.plan)
+        return {"next_batch_sizes": list(self.plan), "predicted_gain": gain, "plan_changed": adopt}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "plan": list(self.plan),
+            "models": [m.state_dict() for m in self.models],
+            "memory_caps": list(self.memory_caps),
+            "history": list(self.history),
+            "predicted_step_time": self._predicted_step_time,
+            "epochs_observed": self._epochs_observed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world_size"] != self.world_size or state["global_batch"] != self.global_batch:
+            raise ValueError(
+                f"checkpointed plan is for world_size={state['world_size']}, global_batch={state['global_batch']}, "
+                f"but this run has world_size={self.world_size}, global_batch={self.global_batch}. "
+                "HINT: resume with the same number of ranks and batch size, or start without the balancer state."
+            )
+        self.plan = [int(b) for b in state["plan"]]
+        for m, s in zip(self.models, state["models"]):
+            m.load_state_dict(s)
+        self.memory_caps = list(state.get("memory_caps", [None] * self.world_size))
+        self.history = list(state["history"])
+        self._predicted_step_time = state.get("predicted_step_time")
+        self._epochs_observed = int(state.get("epochs_observed", 1))

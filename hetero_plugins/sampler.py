@@ -1,0 +1,142 @@
+"""Samplers that give each rank its own batch size while every rank runs the same number of steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from torch.utils.data import Sampler
+
+from hetero_plugins._validation import check_int
+from hetero_plugins.partition import EpochLayout, epoch_layout, epoch_shards
+
+__all__ = ["HeteroBatchSampler", "HeteroDistributedSampler"]
+
+
+class HeteroDistributedSampler(Sampler[int]):
+    """A ``DistributedSampler`` whose per-rank shard follows a plan of per-rank batch sizes.
+
+    Yields this rank's sample indices for the epoch; wrap it in a ``BatchSampler`` of ``plan[rank]`` (the
+    Lightning integration does this for you). Every sample appears exactly once per epoch over all ranks
+    (see :mod:`hetero_plugins.partition` for the remainder's padding and ``drop_last`` semantics).
+
+    Args:
+        num_samples: length of the dataset.
+        plan: per-rank batch sizes in global-rank order; their sum is the global batch.
+        rank: this process's global rank.
+        shuffle: shuffle with a seeded, epoch-dependent order.
+        seed: shared by all ranks.
+        drop_last: drop the last partial global batch instead of sharing it.
+        locality: keep each rank's shard across epochs and plan changes (LOFT); else reshuffle globally.
+
+    Example::
+
+        >>> s = HeteroDistributedSampler(10, plan=[3, 1], rank=1, shuffle=False)
+        >>> list(s)
+        [7, 8, 9]
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        plan: Sequence[int],
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        locality: bool = True,
+    ) -> None:
+        self.num_samples = check_int("num_samples", num_samples, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.locality = bool(locality)
+        self.epoch = 0
+        self.plan: tuple[int, ...] = ()
+        self.set_plan(plan)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.plan)
+
+    def set_plan(self, plan: Sequence[int]) -> None:
+        """Adopt new per-rank batch sizes; takes effect at the next ``iter()``."""
+        plan = tuple(int(b) for b in plan)
+        if self.rank >= len(plan):
+            raise ValueError(f"`rank`={self.rank} is out of range for a plan of {len(plan)} ranks: {list(plan)}.")
+        epoch_layout(self.num_samples, plan, self.drop_last)  # validates
+        self.plan = plan
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    @property
+    def layout(self) -> EpochLayout:
+        return epoch_layout(self.num_samples, self.plan, self.drop_last)
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's local batch size under the current plan."""
+        return self.plan[self.rank]
+
+    def step_counts(self, step: int) -> tuple[int, ...]:
+        """All ranks' sample counts of step ``step`` of the current epoch."""
+        return self.layout.step_counts(step)
+
+    def shards(self) -> list:
+        return epoch_shards(
+            self.num_samples, self.plan, self.epoch, self.seed, self.shuffle, self.drop_last, self.locality
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shards()[self.rank].tolist())
+
+    def __len__(self) -> int:
+        return self.layout.shard_sizes()[self.rank]
+
+
+class HeteroBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches (lists of indices) under a plan; ``len`` is the same on every rank.
+
+    Pass it as ``DataLoader(dataset, batch_sampler=...)``. Same arguments as :class:`HeteroDistributedSampler`.
+
+    Example::
+
+        >>> list(HeteroBatchSampler(10, plan=[3, 1], rank=0, shuffle=False))
+        [[0, 1, 2], [3, 4, 5], [6]]
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        plan: Sequence[int],
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        locality: bool = True,
+    ) -> None:
+        self.sampler = HeteroDistributedSampler(num_samples, plan, rank, shuffle, seed, drop_last, locality)
+
+    plan = property(lambda self: self.sampler.plan)
+    rank = property(lambda self: self.sampler.rank)
+    epoch = property(lambda self: self.sampler.epoch)
+    batch_size = property(lambda self: self.sampler.batch_size)
+
+    def set_plan(self, plan: Sequence[int]) -> None:
+        self.sampler.set_plan(plan)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def step_counts(self, step: int) -> tuple[int, ...]:
+        return self.sampler.step_counts(step)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shard = list(self.sampler)
+        b = self.sampler.batch_size
+        for start in range(0, len(shard), b):
+            yield shard[start : start + b]
+
+    def __len__(self) -> int:
+        return self.sampler.layout.steps

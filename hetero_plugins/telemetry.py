@@ -1,0 +1,153 @@
+"""Per-rank, per-step telemetry: compute time, data-loading time, samples; GPU and CPU load.
+
+Compute time runs from the start of a batch until this rank's gradients are ready, *before* any gradient
+collective: under DDP the all-reduce makes a fast rank wait for the slowest, so timing the whole step sees
+no straggler (traceml#252; verified in this project's research, style.md E5). Integrations call
+:meth:`StepTimer.mark_gradients_ready` from the gradient-communication hook (DDP comm hook, Horovod
+gradient hook) and fall back to the end of backward where no hook fires (gradient accumulation).
+
+GPU utilisation and memory come from NVML (``pynvml``, package ``nvidia-ml-py``) where an NVIDIA driver is
+present; CPU load from ``psutil``. Nothing here fails on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StepRecord", "StepTimer", "SystemMonitor", "memory_cap"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's measurements of one step."""
+
+    batch_size: int
+    compute_time: float
+    data_time: float
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (float(self.batch_size), self.compute_time, self.data_time)
+
+
+class StepTimer:
+    """Measures one rank's steps. Call ``start_step`` / ``mark_gradients_ready`` / ``end_step`` in order.
+
+    Example::
+
+        >>> t = StepTimer()
+        >>> t.start_step(8); t.mark_gradients_ready(); rec = t.end_step()
+        >>> rec.batch_size, rec.compute_time >= 0
+        (8, True)
+    """
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self._clock = clock
+        self._step_start: float | None = None
+        self._ready: float | None = None
+        self._last_end: float | None = None
+        self._batch_size = 0
+        self.records: list[StepRecord] = []
+
+    def start_step(self, batch_size: int) -> None:
+        now = self._clock()
+        self._data_time = 0.0 if self._last_end is None else max(0.0, now - self._last_end)
+        self._step_start = now
+        self._ready = None
+        self._batch_size = int(batch_size)
+
+    def mark_gradients_ready(self) -> None:
+        """This rank's gradients (or a bucket of them) are ready; the last call of a step counts."""
+        if self._step_start is not None:
+            self._ready = self._clock()
+
+    def mark_backward_end(self) -> None:
+        """End of backward; used only where no gradient hook fired during the step."""
+        if self._step_start is not None and self._ready is None:
+            self._ready = self._clock()
+
+    def end_step(self) -> StepRecord | None:
+        now = self._clock()
+        self._last_end = now
+        if self._step_start is None:
+            return None
+        ready = self._ready if self._ready is not None else now
+        rec = StepRecord(self._batch_size, ready - self._step_start, self._data_time)
+        self.records.append(rec)
+        self._step_start = None
+        return rec
+
+    def pop_records(self) -> list[StepRecord]:
+        out, self.records = self.records, []
+        return out
+
+    def reset_data_clock(self) -> None:
+        """Forget the previous step's end (so an epoch boundary is not counted as data loading)."""
+        self._last_end = None
+
+
+def memory_cap(batch_size: int, peak_bytes: int, baseline_bytes: int, total_bytes: int, headroom: float = 0.9) -> int:
+    """Largest local batch that fits in ``headroom`` of device memory, extrapolating the per-sample cost.
+
+    Example::
+
+        >>> memory_cap(batch_size=10, peak_bytes=3_000, baseline_bytes=1_000, total_bytes=10_000, headroom=0.9)
+        40
+    """
+    per_sample = max(peak_bytes - baseline_bytes, 1) / max(batch_size, 1)
+    return max(1, int((headroom * total_bytes - baseline_bytes) // per_sample))
+
+
+class SystemMonitor:
+    """Reads GPU utilisation/memory through NVML when available, and CPU load through psutil.
+
+    Args:
+        gpu_index: NVML index of this rank's GPU, or ``None`` on CPU-only ranks.
+    """
+
+    def __init__(self, gpu_index: int | None = None) -> None:
+        self.gpu_index = gpu_index
+        self._handle: Any = None
+        self._nvml: Any = None
+        if gpu_index is not None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+                self._nvml = pynvml
+            except Exception as err:  # no driver, no device, or no nvidia-ml-py
+                log.debug("SystemMonitor: NVML unavailable (%s); GPU telemetry disabled", err)
+                self._handle = None
+
+    @property
+    def has_gpu(self) -> bool:
+        return self._handle is not None
+
+    def read(self) -> dict[str, float]:
+        """A snapshot: ``cpu_percent``, ``mem_percent`` and, with a GPU, ``gpu_util``, ``gpu_mem_used``,
+        ``gpu_mem_total`` (bytes)."""
+        out: dict[str, float] = {}
+        try:
+            import psutil
+
+            out["cpu_percent"] = float(psutil.cpu_percent(interval=None))
+            out["mem_percent"] = float(psutil.virtual_memory().percent)
+        except Exception as err:  # psutil missing or unsupported platform
+            log.debug("SystemMonitor: psutil unavailable (%s)", err)
+        if self._handle is not None:
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+                out.update(gpu_util=float(util.gpu), gpu_mem_used=float(mem.used), gpu_mem_total=float(mem.total))
+            except Exception as err:
+                log.debug("SystemMonitor: NVML read failed (%s)", err)
+        return out
+
+    @staticmethod
+    def record_dict(rec: StepRecord) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(rec).items()}

@@ -1,0 +1,125 @@
+"""Per-rank step-time models t_i(b) = a_i + beta_i * b, fitted online and robustly.
+
+A rank's compute time per step grows about linearly with its local batch: a fixed cost a (kernel launches,
+optimizer, Python) plus a per-sample cost beta. LBB fits exactly this line for online coordination (Yao et
+al. 2024), DBS/DLB use its special case a = 0 (speed = samples / time; Ye et al. 2020, 2022).
+
+Robustness and forgetting: observations are grouped by batch size; each group is summarised by its
+recency-weighted *median* time (a transient stall moves a median little), and the line is a weighted least
+squares fit through the group medians. Weights halve every ``half_life`` observations, so a rank that slows
+down dominates its own model again within about one half-life of steps, well inside an epoch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins._validation import check_float, check_int
+
+__all__ = ["LinearTimeModel", "TimeModelParams"]
+
+
+@dataclass(frozen=True)
+class TimeModelParams:
+    """A fitted line: ``seconds(b) = intercept + slope * b``."""
+
+    intercept: float
+    slope: float
+
+    def predict(self, batch_size: float) -> float:
+        return self.intercept + self.slope * batch_size
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    return float(v[np.searchsorted(cum, 0.5 * cum[-1])])
+
+
+class LinearTimeModel:
+    """Online, noise-robust fit of one rank's compute time per step against its local batch size.
+
+    Args:
+        half_life: number of observations after which an observation's weight has halved (forgetting).
+        window: most recent observations kept.
+
+    Example::
+
+        >>> m = LinearTimeModel()
+        >>> for b in (16, 32) * 8:
+        ...     m.observe(b, 0.01 + 0.002 * b)
+        >>> p = m.params()
+        >>> round(p.intercept, 6), round(p.slope, 6)
+        (0.01, 0.002)
+    """
+
+    def __init__(self, half_life: float = 12.0, window: int = 512) -> None:
+        self.half_life = check_float("half_life", half_life, minimum=0.0, strict_minimum=True)
+        self.window = check_int("window", window, minimum=2)
+        self._obs: deque[tuple[float, float]] = deque(maxlen=self.window)
+        self._cache: TimeModelParams | None = None
+
+    def __len__(self) -> int:
+        return len(self._obs)
+
+    def observe(self, batch_size: float, seconds: float) -> None:
+        """Record that a step with ``batch_size`` local samples took ``seconds`` of compute."""
+        if batch_size <= 0 or not np.isfinite(seconds) or seconds < 0:
+            return  # empty or unmeasured steps carry no information
+        self._obs.append((float(batch_size), float(seconds)))
+        self._cache = None
+
+    def params(self) -> TimeModelParams | None:
+        """The fitted line, or ``None`` before the first observation."""
+        if not self._obs:
+            return None
+        if self._cache is None:
+            self._cache = self._fit()
+        return self._cache
+
+    def predict(self, batch_size: float) -> float:
+        """Predicted compute seconds for a step of ``batch_size`` samples (``nan`` without data)."""
+        p = self.params()
+        return float("nan") if p is None else p.predict(batch_size)
+
+    def _fit(self) -> TimeModelParams:
+        data = np.asarray(self._obs, dtype=np.float64)
+        b, t = data[:, 0], data[:, 1]
+        age = np.arange(len(b) - 1, -1, -1, dtype=np.float64)
+        w = np.power(0.5, age / self.half_life)
+        sizes = np.unique(b)
+        med = np.array([_weighted_median(t[b == s], w[b == s]) for s in sizes])
+        gw = np.array([w[b == s].sum() for s in sizes])
+        current = int(np.argmax(gw))
+        # Through-origin fallback anchored on the group that dominates the recent past.
+        fallback = TimeModelParams(0.0, float(max(med[current], 1e-12) / sizes[current]))
+        if len(sizes) < 2:
+            return fallback
+        xm = np.sum(gw * sizes) / gw.sum()
+        ym = np.sum(gw * med) / gw.sum()
+        sxx = np.sum(gw * (sizes - xm) ** 2)
+        if sxx <= 0:
+            return fallback
+        slope = float(np.sum(gw * (sizes - xm) * (med - ym)) / sxx)
+        intercept = float(ym - slope * xm)
+        # A line that contradicts the physics (negative cost, or a fixed cost above the observed times)
+        # means old groups disagree with recent ones: trust the recent group alone.
+        if slope <= 0 or intercept < 0 or intercept > med.min():
+            return fallback
+        # Re-anchor on the dominant group so that a recent uniform slow-down is fully reflected.
+        scale = med[current] / (intercept + slope * sizes[current])
+        return TimeModelParams(float(intercept * scale), float(slope * scale))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"half_life": self.half_life, "window": self.window, "observations": list(self._obs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.half_life = float(state["half_life"])
+        self.window = int(state["window"])
+        self._obs = deque((tuple(o) for o in state["observations"]), maxlen=self.window)  # type: ignore[misc]
+        self._cache = None

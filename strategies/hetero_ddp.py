@@ -1,0 +1,117 @@
+"""``HeteroDDPStrategy``: DDP with per-rank batch sizes rebalanced every epoch and sample-weighted gradients.
+
+Registered as ``"hetero_ddp"`` (processes started like ``"ddp"``) and ``"hetero_ddp_spawn"``::
+
+    Trainer(strategy="hetero_ddp", accelerator="gpu", devices=4)
+    Trainer(strategy=HeteroDDPStrategy(allocator="lbb", min_batch_size=8), devices=4)
+
+It bundles a :class:`~hetero_plugins.callbacks.BatchBalancer`: the balanced sampler is installed from the
+first epoch (train, and validation/test/predict with ``balance_eval=True``), the weighted comm hook is
+registered in ``configure_ddp`` (Lightning's ``ddp_comm_hook=`` is dropped on CPU), and the plan and time
+models are part of the checkpoint. The user's ``DataLoader(batch_size=b)`` means b per rank at the start; the
+global batch b x world_size stays constant.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+from hetero_plugins.allocators import Allocator
+from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+
+__all__ = ["HeteroDDPStrategy"]
+
+#: Collectives give up after this long by default (DDP's own default is 30 minutes).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+class HeteroDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` plus per-epoch batch rebalancing and sample-weighted gradient aggregation.
+
+    Args:
+        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
+            :class:`~hetero_plugins.allocators.Allocator`.
+        min_batch_size: smallest local batch a rank may get.
+        max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
+        min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
+        half_life: forgetting of the per-rank time models, in steps.
+        locality: keep each rank's data shard across epochs and plan changes.
+        balance_eval: per-rank batch sizes for validation, test and predict loaders too.
+        timeout: bound on every collective; a rank that dies ends the job after at most this long.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
+            ``process_group_backend``, DDP keyword arguments...).
+
+    Attributes:
+        batch_plan: current per-rank batch sizes, global-rank order (``None`` before training starts).
+        plan_history: one dict per epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`).
+    """
+
+    strategy_name = "hetero_ddp"
+
+    def __init__(
+        self,
+        allocator: str | Allocator = "equal_finish",
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        min_gain: float = 0.03,
+        half_life: float = 12.0,
+        locality: bool = True,
+        balance_eval: bool = True,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ) -> None:
+        if "ddp_comm_hook" in kwargs:
+            raise ValueError(
+                "`ddp_comm_hook` cannot be combined with HeteroDDPStrategy, which registers its own "
+                "sample-weighted hook. HINT: drop `ddp_comm_hook`, or use strategy='ddp' without balancing."
+            )
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+            raise ValueError(f"`timeout` must be a positive datetime.timedelta, got {timeout!r}.")
+        super().__init__(timeout=timeout, **kwargs)
+        self.balancer = BatchBalancer(
+            allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
+        )
+
+    @property
+    def batch_plan(self) -> list[int] | None:
+        return self.balancer.batch_plan
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        return self.balancer.plan_history
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        trainer = model.trainer
+        if not any(cb is self.balancer for cb in trainer.callbacks):
+            trainer.callbacks.append(self.balancer)
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        self.balancer.attach_ddp(self.model, self.world_size)  # type: ignore[arg-type]
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        return self.balancer.prepare_dataloader(dataloader, self.lightning_module.trainer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("hetero_ddp", "popen"), ("hetero_ddp_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"Heterogeneity-aware DDP (per-rank batch sizes), start_method={start_method!r}",
+                start_method=start_method,
+                override=True,
+            )
