@@ -244,10 +244,10 @@ class BatchBalancer(Callback):
             self._install(dataloader, trainer, train=False)
         return dataloader
 
-    def _ensure_planner(self, trainer: pl.Trainer) -> BalancePlanner | None:
+    def _ensure_planner(self, trainer: pl.Trainer, dl: object = None) -> BalancePlanner | None:
         if self.planner is not None:
             return self.planner
-        dl = trainer.train_dataloader
+        dl = trainer.train_dataloader if dl is None else dl
         if not isinstance(dl, DataLoader) or dl.batch_sampler is None:
             self._warn_once("loader", "BatchBalancer: the train dataloader is not a single batched DataLoader; "
                             "batch sizes stay as they are.")
@@ -307,7 +307,7 @@ class BatchBalancer(Callback):
                 return False
             n = len(sampler.dataset)  # type: ignore[arg-type]
             drop_last = bool(sampler.drop_last or bs.drop_last)  # type: ignore[union-attr]
-            plan = self._plan_for(trainer, train, n, int(local_batch), world)  # type: ignore[arg-type]
+            plan = self._plan_for(trainer, train, n, int(local_batch), world, dl=dl)  # type: ignore[arg-type]
             sampler = HeteroDistributedSampler(
                 n, plan, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=drop_last,
                 locality=self.locality,
@@ -315,7 +315,8 @@ class BatchBalancer(Callback):
             sampler.set_epoch(trainer.current_epoch)
             bs.sampler = sampler  # type: ignore[union-attr]
         else:
-            plan = self._plan_for(trainer, train, sampler.num_samples, sampler.batch_size if local_batch is None else int(local_batch), world, current=sampler.plan)
+            local = sampler.batch_size if local_batch is None else int(local_batch)
+            plan = self._plan_for(trainer, train, sampler.num_samples, local, world, current=sampler.plan, dl=dl)
             sampler.set_plan(plan)
         if isinstance(bs, BatchSampler):
             bs.batch_size = plan[rank]
@@ -326,8 +327,9 @@ class BatchBalancer(Callback):
     def _plan_for(
         self, trainer: pl.Trainer, train: bool, n: int, local_batch: int, world: int,
         current: Sequence[int] | None = None,
+        dl: object = None,
     ) -> list[int]:
-        planner = self._ensure_planner(trainer) if train else self.planner
+        planner = self._ensure_planner(trainer, dl) if train else self.planner
         if train and planner is not None:
             return list(planner.plan)
         if current is not None and not train and planner is None:

@@ -6,7 +6,9 @@ al. 2024), DBS/DLB use its special case a = 0 (speed = samples / time; Ye et al.
 
 Robustness and forgetting: observations are grouped by batch size; each group is summarised by its
 recency-weighted *median* time (a transient stall moves a median little), and the line is a weighted least
-squares fit through the group medians. Weights halve every ``half_life`` observations, so a rank that slows
+squares fit through the group medians, made only when the batch sizes seen differ enough to tell a fixed cost
+from a per-sample cost. The prediction is anchored on the group that dominates the recent past, keeping the
+fixed-cost share of the last valid line: weights halve every ``half_life`` observations, so a rank that slows
 down dominates its own model again within about one half-life of steps, well inside an epoch.
 """
 
@@ -47,6 +49,8 @@ class LinearTimeModel:
     Args:
         half_life: number of observations after which an observation's weight has halved (forgetting).
         window: most recent observations kept.
+        min_group_weight: recency weight a batch size's group needs to count in the line fit.
+        min_relative_spread: the line is fitted only when the batch sizes differ by at least this fraction.
 
     Example::
 
@@ -58,9 +62,18 @@ class LinearTimeModel:
         (0.01, 0.002)
     """
 
-    def __init__(self, half_life: float = 12.0, window: int = 512) -> None:
+    def __init__(
+        self,
+        half_life: float = 12.0,
+        window: int = 512,
+        min_group_weight: float = 2.0,
+        min_relative_spread: float = 0.15,
+    ) -> None:
         self.half_life = check_float("half_life", half_life, minimum=0.0, strict_minimum=True)
         self.window = check_int("window", window, minimum=2)
+        self.min_group_weight = check_float("min_group_weight", min_group_weight, minimum=0.0)
+        self.min_relative_spread = check_float("min_relative_spread", min_relative_spread, minimum=0.0, maximum=1.0)
+        self._intercept_ratio: float | None = None
         self._obs: deque[tuple[float, float]] = deque(maxlen=self.window)
         self._cache: TimeModelParams | None = None
 
@@ -96,30 +109,39 @@ class LinearTimeModel:
         med = np.array([_weighted_median(t[b == s], w[b == s]) for s in sizes])
         gw = np.array([w[b == s].sum() for s in sizes])
         current = int(np.argmax(gw))
-        # Through-origin fallback anchored on the group that dominates the recent past.
-        fallback = TimeModelParams(0.0, float(max(med[current], 1e-12) / sizes[current]))
-        if len(sizes) < 2:
-            return fallback
-        xm = np.sum(gw * sizes) / gw.sum()
-        ym = np.sum(gw * med) / gw.sum()
-        sxx = np.sum(gw * (sizes - xm) ** 2)
-        if sxx <= 0:
-            return fallback
-        slope = float(np.sum(gw * (sizes - xm) * (med - ym)) / sxx)
-        intercept = float(ym - slope * xm)
-        # A line that contradicts the physics (negative cost, or a fixed cost above the observed times)
-        # means old groups disagree with recent ones: trust the recent group alone.
-        if slope <= 0 or intercept < 0 or intercept > med.min():
-            return fallback
-        # Re-anchor on the dominant group so that a recent uniform slow-down is fully reflected.
-        scale = med[current] / (intercept + slope * sizes[current])
-        return TimeModelParams(float(intercept * scale), float(slope * scale))
+        # Only groups with real weight inform the slope; a lone last (partial) step of a slightly smaller
+        # batch would otherwise fit a wild line through two nearly equal batch sizes.
+        solid = gw >= self.min_group_weight
+        xs, ys, ws = sizes[solid], med[solid], gw[solid]
+        line: TimeModelParams | None = None
+        if len(xs) >= 2 and (xs.max() - xs.min()) >= self.min_relative_spread * xs.max():
+            xm, ym = np.sum(ws * xs) / ws.sum(), np.sum(ws * ys) / ws.sum()
+            sxx = np.sum(ws * (xs - xm) ** 2)
+            slope = float(np.sum(ws * (xs - xm) * (ys - ym)) / sxx)
+            intercept = float(ym - slope * xm)
+            # A line that contradicts the physics (negative cost, or a fixed cost above the observed times)
+            # means old groups disagree with recent ones: trust the recent group alone.
+            if slope > 0 and 0 <= intercept <= ys.min():
+                line = TimeModelParams(intercept, slope)
+        b_cur, t_cur = float(sizes[current]), float(max(med[current], 1e-12))
+        if line is not None:
+            self._intercept_ratio = line.intercept / line.predict(b_cur)
+        # Anchor on the group that dominates the recent past (a recent slow-down is reflected in full),
+        # keeping the fixed-cost share learned from the last valid line (0 before any: DBS's proportional model).
+        ratio = self._intercept_ratio or 0.0
+        return TimeModelParams(float(ratio * t_cur), float((1.0 - ratio) * t_cur / b_cur))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"half_life": self.half_life, "window": self.window, "observations": list(self._obs)}
+        return {
+            "half_life": self.half_life,
+            "window": self.window,
+            "observations": list(self._obs),
+            "intercept_ratio": self._intercept_ratio,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.half_life = float(state["half_life"])
         self.window = int(state["window"])
         self._obs = deque((tuple(o) for o in state["observations"]), maxlen=self.window)  # type: ignore[misc]
+        self._intercept_ratio = state.get("intercept_ratio")
         self._cache = None

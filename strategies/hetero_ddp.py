@@ -17,6 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -103,6 +104,20 @@ class HeteroDDPStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         return self.balancer.prepare_dataloader(dataloader, self.lightning_module.trainer)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # Lightning averages an integer tensor with truncation (``result.copy_(result / world_size)``), and its
+        # sample-weighted epoch metrics divide by such a tensor: the summed batch sizes. With uneven per-rank
+        # batches that sum can be odd, so average it in float64 instead.
+        if (
+            isinstance(tensor, torch.Tensor)
+            and not torch.is_floating_point(tensor)
+            and isinstance(reduce_op, str)
+            and reduce_op.lower() in ("mean", "avg")
+        ):
+            tensor = tensor.to(torch.float64)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @classmethod
     @override

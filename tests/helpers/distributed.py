@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -30,7 +31,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        out.put((rank, True, result))
+        # Plain pickle bytes: torch's queue reductions would share tensor memory with a process that exits.
+        out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put((rank, False, traceback.format_exc()))
 
@@ -53,7 +55,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish in {timeout}s")
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results[rank] = value
+                results[rank] = pickle.loads(value)
         finally:
             for p in procs:
                 p.join(timeout=5)

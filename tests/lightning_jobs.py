@@ -1,0 +1,87 @@
+"""Small Lightning jobs the integration tests run on 2 spawned CPU ranks (importable by the children)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from hetero_plugins.apps.digits import digits_datasets
+
+
+class DigitsMLP(pl.LightningModule):
+    """float64 MLP on digits, plain SGD with momentum: deterministic enough to replay exactly."""
+
+    def __init__(self, batch_size: int = 16, lr: float = 0.1, fail_on_rank: int | None = None, fail_at_step: int = 3,
+                 batchnorm: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)]
+        if batchnorm:
+            layers.insert(2, nn.BatchNorm1d(32))
+        self.net = nn.Sequential(*layers).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.hparams.fail_on_rank == self.global_rank and self.current_epoch == 1 and batch_idx == self.hparams.fail_at_step:
+            raise RuntimeError(f"injected failure on rank {self.global_rank}")
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_acc", (self(x).argmax(1) == y).double().mean(), sync_dist=True, batch_size=len(y))
+        self.log("val_batch", float(len(y)), reduce_fx="max", sync_dist=False, batch_size=1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(digits_datasets(dtype=torch.float64)[0], batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(digits_datasets(dtype=torch.float64)[1], batch_size=self.hparams.batch_size)
+
+
+class Report(Callback):
+    """Every rank writes what it saw: its plan, its history, its batch sizes per epoch, the hook's calls."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.batches: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batches.setdefault(trainer.current_epoch, []).append(len(batch[1]))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        balancer = next((cb for cb in trainer.callbacks if type(cb).__name__ == "BatchBalancer"), None)
+        hook = getattr(balancer, "_hook_state", None)
+        report = {
+            "rank": trainer.global_rank,
+            "batch_plan": balancer.batch_plan if balancer else None,
+            "plan_history": balancer.plan_history if balancer else None,
+            "batches": self.batches,
+            "hook_calls": hook.calls if hook is not None else 0,
+            "strategy_plan": getattr(trainer.strategy, "batch_plan", None),
+            "train_batches": trainer.num_training_batches,
+        }
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(report, f)
+
+
+def read_reports(out_dir: str, world_size: int) -> list[dict[str, Any]]:
+    out = []
+    for r in range(world_size):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out

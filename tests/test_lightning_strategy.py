@@ -1,0 +1,172 @@
+"""Real multi-process Lightning runs (2 spawned gloo ranks on CPU) of HeteroDDPStrategy and BatchBalancer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lightning.pytorch as pl
+
+import hetero_plugins.strategies  # noqa: F401  (registers "hetero_ddp" / "hetero_ddp_spawn")
+from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator
+from hetero_plugins.partition import epoch_layout, epoch_shards
+from hetero_plugins.strategies import HeteroDDPStrategy
+from hetero_plugins.apps.digits import digits_datasets
+from tests.lightning_jobs import DigitsMLP, Report, read_reports
+
+pytestmark = pytest.mark.distributed
+
+
+def trainer(tmp_path, strategy, callbacks, **kw):
+    opts = dict(accelerator="cpu", devices=2, max_epochs=3, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    opts.update(kw)
+    return pl.Trainer(strategy=strategy, callbacks=callbacks + [Report(str(tmp_path))], default_root_dir=str(tmp_path), **opts)
+
+
+def replay(model: DigitsMLP, history: list[dict], epochs: int, seed: int = 0) -> DigitsMLP:
+    """One process stepping on each step's union of samples, plans taken from the run's history."""
+    train, _ = digits_datasets(dtype=torch.float64)
+    opt = model.configure_optimizers()
+    n = len(train)
+    for epoch in range(epochs):
+        plan = history[epoch]["batch_sizes"]
+        shards = epoch_shards(n, plan, epoch=epoch, seed=seed, shuffle=True, drop_last=False, locality=True)
+        layout = epoch_layout(n, plan)
+        for k in range(layout.steps):
+            idx = []
+            for r, b in enumerate(plan):
+                idx += shards[r][k * b : k * b + layout.step_counts(k)[r]].tolist()
+            x, y = train[idx]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return model
+
+
+def test_registered_names_resolve():
+    t = pl.Trainer(strategy="hetero_ddp_spawn", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(t.strategy, HeteroDDPStrategy)
+    t = pl.Trainer(strategy="hetero_ddp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(t.strategy, HeteroDDPStrategy)
+
+
+def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
+    pl.seed_everything(0)
+    model = DigitsMLP(batch_size=16)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    t = trainer(tmp_path, "hetero_ddp_spawn",
+                [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)], max_epochs=3)
+    t.fit(model)
+    reports = read_reports(str(tmp_path), 2)
+    hist = reports[0]["plan_history"]
+    # Every rank adopted the same plans; the slow rank's share dropped; the global batch stayed 32.
+    assert reports[0]["plan_history"] == reports[1]["plan_history"]
+    assert [h["batch_sizes"] for h in hist][0] == [16, 16]
+    assert hist[1]["batch_sizes"][1] < 10 and sum(hist[1]["batch_sizes"]) == 32
+    assert hist[-1]["straggler_level"] < hist[0]["straggler_level"] / 2
+    assert reports[0]["hook_calls"] > 0
+    # Each rank really ran its planned local batch, and the same number of steps.
+    for r, rep in enumerate(reports):
+        for e in range(3):
+            full = rep["batches"][str(e)][:-1]
+            assert set(full) == {hist[e]["batch_sizes"][r]}
+    assert len(reports[0]["batches"]["2"]) == len(reports[1]["batches"]["2"])
+    # Exactness: the 2-rank run equals one process stepping on every step's union (float64, 1e-9).
+    ref = DigitsMLP(batch_size=16)
+    ref.load_state_dict(initial)
+    replay(ref, hist, epochs=3, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.allclose(p, q, rtol=0, atol=1e-9), (name, (p - q).abs().max())
+    # Validation ran with per-rank batch sizes, and its metric is the exact sample-weighted accuracy.
+    _, val = digits_datasets(dtype=torch.float64)
+    with torch.no_grad():
+        acc = (ref(val.tensors[0]).argmax(1) == val.tensors[1]).double().mean().item()
+    assert t.callback_metrics["val_acc"].item() == pytest.approx(acc, abs=1e-12)
+    assert {rep["plan_history"][-1]["next_batch_sizes"][rep["rank"]] for rep in reports} != {16}
+
+
+def test_callback_beside_stock_ddp(tmp_path):
+    pl.seed_everything(0)
+    balancer = BatchBalancer(allocator="lbb")
+    t = trainer(tmp_path, "ddp_spawn", [balancer, HeterogeneityEmulator([0.25, 1.0], cost_per_sample=0.002)],
+                max_epochs=3, limit_train_batches=20)
+    t.fit(DigitsMLP(batch_size=16))
+    reports = read_reports(str(tmp_path), 2)
+    hist = reports[0]["plan_history"]
+    assert hist == reports[1]["plan_history"]
+    assert hist[0]["batch_sizes"] == [16, 16]  # the first epoch runs on Lightning's own sampler
+    assert hist[1]["batch_sizes"][0] < 10 and sum(hist[1]["batch_sizes"]) == 32  # rank 0 is the slow one here
+    assert reports[0]["hook_calls"] > 0  # the callback registered its weighted hook on stock DDP
+    assert set(reports[0]["batches"]["2"]) <= {hist[2]["batch_sizes"][0]} | {min(reports[0]["batches"]["2"])}
+    assert len(reports[0]["batches"]["1"]) == 20  # limit_train_batches is honoured
+
+
+def test_resume_keeps_plan_and_time_models(tmp_path):
+    pl.seed_everything(0)
+    ckpt_dir = tmp_path / "ckpt"
+    first = tmp_path / "first"
+    first.mkdir()
+    emu = HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True)
+    t = trainer(first, "hetero_ddp_spawn", [emu, ckpt], max_epochs=2, enable_checkpointing=True,
+                limit_train_batches=15, limit_val_batches=2)
+    t.fit(DigitsMLP(batch_size=16))
+    saved = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["callbacks"]["BatchBalancer"]["planner"]
+    assert len(saved["history"]) == 2 and all(len(m["observations"]) > 0 for m in saved["models"])
+    second = tmp_path / "second"
+    second.mkdir()
+    t2 = trainer(second, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)],
+                 max_epochs=3, limit_train_batches=15, limit_val_batches=2)
+    t2.fit(DigitsMLP(batch_size=16), ckpt_path=str(ckpt_dir / "last.ckpt"))
+    hist = read_reports(str(second), 2)[0]["plan_history"]
+    assert len(hist) == 3 and hist[:2] == saved["history"]
+    assert hist[2]["batch_sizes"] == saved["plan"]  # the resumed epoch starts on the saved plan
+
+
+def test_gradient_accumulation_and_batchnorm_warning(tmp_path):
+    pl.seed_everything(0)
+    t = trainer(tmp_path, HeteroDDPStrategy(start_method="spawn", min_batch_size=2),
+                [HeterogeneityEmulator([1.0, 0.5], cost_per_sample=0.002)],
+                max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10)
+    with pytest.warns(RuntimeWarning, match="BatchNorm"):
+        BatchBalancer().setup(t, DigitsMLP(batchnorm=True), "fit")
+    t.fit(DigitsMLP(batch_size=16))
+    hist = read_reports(str(tmp_path), 2)[0]["plan_history"]
+    assert len(hist) == 2 and all(sum(h["batch_sizes"]) == 32 and min(h["batch_sizes"]) >= 2 for h in hist)
+
+
+def test_failing_rank_ends_the_run_with_its_error(tmp_path):
+    t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=3, limit_train_batches=6)
+    with pytest.raises(Exception, match="injected failure on rank 1"):
+        t.fit(DigitsMLP(batch_size=16, fail_on_rank=1))
+
+
+def test_dataset_smaller_than_global_batch(tmp_path):
+    t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=1)
+    with pytest.raises(Exception, match="fewer than one global batch"):
+        t.fit(DigitsMLP(batch_size=1000))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(min_batch_size=0), "min_batch_size"),
+        (dict(allocator="fast"), "allocator"),
+        (dict(min_gain=-0.1), "min_gain"),
+        (dict(max_batch_size=2, min_batch_size=4), "max_batch_size"),
+        (dict(timeout=5), "timeout"),
+        (dict(ddp_comm_hook=lambda s, b: None), "ddp_comm_hook"),
+    ],
+)
+def test_bad_strategy_arguments_fail_before_any_process_starts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HeteroDDPStrategy(**kwargs)
+
+
+def test_emulator_needs_one_speed_per_rank(tmp_path):
+    t = trainer(tmp_path, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 1.0, 1.0], 0.001)], max_epochs=1)
+    with pytest.raises(Exception, match="3 `speeds`"):
+        t.fit(DigitsMLP())

@@ -1,0 +1,76 @@
+import itertools
+
+import numpy as np
+import pytest
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset
+import torch
+
+from hetero_plugins.partition import epoch_layout, epoch_shards
+from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler
+
+CASES = list(itertools.product([1, 7, 64, 101, 1797], [[1], [3, 5], [32, 32, 16, 8], [1, 1, 1]], [False, True]))
+
+
+@pytest.mark.parametrize("n, plan, drop_last", CASES)
+@pytest.mark.parametrize("shuffle, locality", [(False, True), (True, True), (True, False)])
+def test_every_sample_once_for_every_rank(n, plan, drop_last, shuffle, locality):
+    if drop_last and n < sum(plan):
+        with pytest.raises(ValueError, match="fewer than one global batch"):
+            epoch_layout(n, plan, drop_last)
+        return
+    layout = epoch_layout(n, plan, drop_last)
+    for epoch in (0, 3):
+        shards = [
+            list(HeteroDistributedSampler(n, plan, r, shuffle=shuffle, seed=5, drop_last=drop_last, locality=locality))
+            for r in range(len(plan))
+        ]
+        flat = [i for s in shards for i in s]
+        distinct = set(flat)
+        if drop_last:
+            assert len(flat) == len(distinct) == layout.full_steps * sum(plan)  # disjoint; the remainder dropped
+        else:
+            assert distinct == set(range(n))  # complete
+            assert len(flat) == n + layout.padding  # disjoint except the documented padding
+            assert layout.padding < len(plan)
+        # every rank runs the same number of steps, and step k has step_counts(k) samples per rank
+        batches = [list(HeteroBatchSampler(n, plan, r, shuffle=shuffle, seed=5, drop_last=drop_last, locality=locality))
+                   for r in range(len(plan))]
+        assert {len(b) for b in batches} == {layout.steps}
+        assert {len(HeteroBatchSampler(n, plan, r, drop_last=drop_last)) for r in range(len(plan))} == {layout.steps}
+        for k in range(layout.steps):
+            assert tuple(len(b[k]) for b in batches) == layout.step_counts(k)
+
+
+def test_shuffle_is_seeded_and_epoch_dependent():
+    a = list(HeteroDistributedSampler(100, [30, 20], 0, seed=1))
+    b = list(HeteroDistributedSampler(100, [30, 20], 0, seed=1))
+    s = HeteroDistributedSampler(100, [30, 20], 0, seed=1)
+    s.set_epoch(1)
+    assert a == b and a != list(s) and set(a) == set(s)
+
+
+def test_locality_keeps_most_of_the_shard_when_the_plan_changes():
+    n = 1000
+    before = [set(s.tolist()) for s in epoch_shards(n, [50, 50], epoch=0, seed=3)]
+    after = [set(s.tolist()) for s in epoch_shards(n, [55, 45], epoch=1, seed=3)]
+    kept = [len(b & a) / len(a) for b, a in zip(before, after)]
+    assert min(kept) >= 0.9
+    nonlocal_after = [set(s.tolist()) for s in epoch_shards(n, [55, 45], epoch=1, seed=3, locality=False)]
+    assert min(len(b & a) / len(a) for b, a in zip(before, nonlocal_after)) < 0.7
+
+
+def test_works_inside_a_batch_sampler_and_dataloader():
+    ds = TensorDataset(torch.arange(20))
+    inner = HeteroDistributedSampler(20, [6, 2], rank=1, shuffle=False)
+    dl = DataLoader(ds, batch_sampler=BatchSampler(inner, batch_size=2, drop_last=False))
+    assert [b[0].tolist() for b in dl] == [[15, 16], [17, 18], [19]]
+
+
+def test_set_plan_validates():
+    s = HeteroDistributedSampler(10, [5, 5], rank=1)
+    with pytest.raises(ValueError, match="out of range"):
+        s.set_plan([10])
+    with pytest.raises(ValueError, match="batch size >= 1"):
+        s.set_plan([10, 0])
+    with pytest.raises(ValueError, match="num_samples"):
+        HeteroDistributedSampler(0, [1], 0)
