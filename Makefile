@@ -26,10 +26,11 @@ demo: $(STAMP)
 	$(VENV)/bin/hetero-plugins demo
 
 test: $(STAMP) $(HVD_STAMP)
-	$(PY) -m pytest
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
 
 bench: $(STAMP) $(HVD_STAMP)
-	$(VENV)/bin/hetero-plugins bench
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/horovod_bench.py --out bench_output/horovod.json
+	$(VENV)/bin/hetero-plugins bench --horovod-json bench_output/horovod.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

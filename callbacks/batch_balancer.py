@@ -31,15 +31,16 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from hetero_plugins._validation import check_float
 from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
+from hetero_plugins.callbacks.straggler_monitor import _gather, gather_records
 from hetero_plugins.planner import BalancePlanner
-from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler
-from hetero_plugins.telemetry import StepTimer, memory_cap
+from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
+from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class BatchBalancer(Callback):
         max_batch_size: largest local batch a rank may get; ``None`` for no cap besides measured GPU memory.
         min_gain: a new plan must be predicted this much faster (relative) to replace the current one.
         half_life: forgetting of the per-rank time models, in steps.
-        locality: keep each rank's shard of the data across epochs and plan changes (LOFT).
+        locality: keep each rank's shard of the data across epochs and plan changes (LOFT); by default
+            every step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: give validation/test/predict loaders per-rank batch sizes too (strategy only).
         memory_headroom: fraction of GPU memory the memory cap allows a rank to use.
         log_metrics: log ``hetero/*`` metrics through the LightningModule's logger.
@@ -65,7 +67,8 @@ class BatchBalancer(Callback):
         batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
         plan_history: one dict per epoch: ``epoch``, ``batch_sizes``, ``throughput`` (per rank, samples/s of
             compute), ``straggler_level``, ``idle_fraction``, ``predicted_epoch_time``,
-            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``.
+            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``, and per rank ``cpu_percent``,
+            ``gpu_util`` and ``gpu_mem_used`` (``None`` where there is no GPU).
     """
 
     def __init__(
@@ -75,7 +78,7 @@ class BatchBalancer(Callback):
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
         half_life: float = 12.0,
-        locality: bool = True,
+        locality: bool = False,
         balance_eval: bool = True,
         memory_headroom: float = 0.9,
         log_metrics: bool = True,
@@ -104,6 +107,8 @@ class BatchBalancer(Callback):
         self._epoch_start: float | None = None
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
+        self._predict_ordered = False
+        self._system: SystemMonitor | None = None
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -197,18 +202,19 @@ class BatchBalancer(Callback):
         records = np.array([r.as_tuple() for r in self.timer.pop_records()], dtype=np.float64).reshape(-1, 3)
         elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
         cap = self._local_memory_cap(trainer)
+        stats = self._monitor(trainer).read()
         # Steps per rank are equal under DDP, but pad defensively so the gather never mismatches.
-        header = torch.tensor([len(records), elapsed, float(cap)], dtype=torch.float64)
-        headers = _gather(strategy, header)
-        steps = int(headers[:, 0].max().item())
-        padded = np.zeros((steps, 3))
-        padded[: len(records)] = records
-        gathered = _gather(strategy, torch.from_numpy(padded)).cpu().numpy()
-        caps = [None if c < 0 else int(c) for c in headers[:, 2].tolist()]
-        entry = planner.end_epoch(trainer.current_epoch, gathered, epoch_time=float(headers[:, 1].max()), memory_caps=caps)
+        gathered, elapsed_all = gather_records(strategy, records, extra=elapsed)
+        local = [float(cap)] + [float(stats.get(k, -1.0)) for k in ("cpu_percent", "gpu_util", "gpu_mem_used")]
+        table = _gather(strategy, torch.tensor(local, dtype=torch.float64)).reshape(-1, 4).tolist()
+        caps = [None if row[0] < 0 else int(row[0]) for row in table]
+        entry = planner.end_epoch(trainer.current_epoch, gathered, epoch_time=float(elapsed_all.max()), memory_caps=caps)
         plan = strategy.broadcast(list(planner.plan), src=0)
         planner.plan = [int(b) for b in plan]
         entry["next_batch_sizes"] = list(planner.plan)
+        for col, key in ((1, "cpu_percent"), (2, "gpu_util"), (3, "gpu_mem_used")):
+            values = [None if row[col] < 0 else row[col] for row in table]
+            entry[key] = values
         if self.log_metrics:
             metrics = {f"hetero/batch_size/rank_{r}": float(b) for r, b in enumerate(entry["batch_sizes"])}
             metrics["hetero/straggler_level"] = float(entry["straggler_level"])
@@ -216,10 +222,11 @@ class BatchBalancer(Callback):
             if entry["samples_per_s"] is not None:
                 metrics["hetero/samples_per_s"] = float(entry["samples_per_s"])
             pl_module.log_dict(metrics, sync_dist=True)  # equal on every rank; the sync only silences a warning
-        rank_zero_info(
-            f"BatchBalancer: epoch {entry['epoch']} batch sizes {entry['batch_sizes']} straggler level "
-            f"{entry['straggler_level']:.3f}; next {entry['next_batch_sizes']}"
-        )
+        if trainer.is_global_zero:
+            log.info(
+                f"BatchBalancer: epoch {entry['epoch']} batch sizes {entry['batch_sizes']} straggler level "
+                f"{entry['straggler_level']:.3f}; next {entry['next_batch_sizes']}"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         if self.planner is not None:
@@ -240,9 +247,52 @@ class BatchBalancer(Callback):
         stage = trainer.state.stage
         if stage == RunningStage.TRAINING:
             self._install(dataloader, trainer, train=True)
+        elif stage == RunningStage.PREDICTING and self.balance_eval:
+            return self._predict_loader(dataloader, trainer)
         elif self.balance_eval and stage is not None:
             self._install(dataloader, trainer, train=False)
         return dataloader
+
+    def _predict_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:
+        """A loader over this rank's contiguous slice of the prediction order, in batches of its planned size.
+
+        Lightning's prediction sampler hands out every world-size-th sample with equal counts; the order it
+        would visit is kept (its ``dataset`` maps positions to indices), cut into contiguous per-rank slices
+        sized by the plan, so that concatenating all ranks' outputs restores the dataset order.
+        """
+        inner = getattr(dl.batch_sampler, "sampler", None)
+        local = getattr(dl.batch_sampler, "batch_size", None)
+        if not isinstance(inner, DistributedSampler) or not isinstance(local, int):
+            self._warn_once("predict", "BatchBalancer: the predict loader is not a batched DataLoader with "
+                            "Lightning's distributed sampler; predictions keep equal batches and rank order.")
+            return dl
+        positions = inner.dataset  # Lightning's wrapper: position -> index of the user's sampler order
+        order = [int(positions[p]) for p in range(len(positions))]  # type: ignore[arg-type]
+        plan = self._plan_for(trainer, False, len(order), local, trainer.world_size)
+        self._predict_ordered = True
+        return DataLoader(
+            dl.dataset,
+            batch_sampler=HeteroInferenceBatchSampler(order, plan, trainer.global_rank),
+            num_workers=dl.num_workers,
+            collate_fn=dl.collate_fn,
+            pin_memory=dl.pin_memory,
+            timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context,
+            persistent_workers=dl.persistent_workers,
+        )
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank's predictions, concatenated in rank order, which is dataset order (see ``_predict_loader``)."""
+        if not self._predict_ordered or trainer.world_size == 1:
+            return
+        predictions = trainer.predict_loop.predictions
+        if not isinstance(predictions, list) or (predictions and isinstance(predictions[0], list)):
+            return  # several predict loaders: left as Lightning returns them
+        gathered: list[Any] = []
+        for src in range(trainer.world_size):
+            gathered += trainer.strategy.broadcast(list(predictions) if trainer.global_rank == src else None, src=src)
+        predictions[:] = gathered
 
     def _ensure_planner(self, trainer: pl.Trainer, dl: object = None) -> BalancePlanner | None:
         if self.planner is not None:
@@ -310,7 +360,7 @@ class BatchBalancer(Callback):
             plan = self._plan_for(trainer, train, n, int(local_batch), world, dl=dl)  # type: ignore[arg-type]
             sampler = HeteroDistributedSampler(
                 n, plan, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=drop_last,
-                locality=self.locality,
+                locality=self.locality, pad_to_world_size=train,
             )
             sampler.set_epoch(trainer.current_epoch)
             bs.sampler = sampler  # type: ignore[union-attr]
@@ -356,6 +406,12 @@ class BatchBalancer(Callback):
         except Exception:
             return 0
 
+    def _monitor(self, trainer: pl.Trainer) -> SystemMonitor:
+        if self._system is None:
+            device = trainer.strategy.root_device
+            self._system = SystemMonitor(device.index if device.type == "cuda" else None)
+        return self._system
+
     def _local_memory_cap(self, trainer: pl.Trainer) -> int:
         device = trainer.strategy.root_device
         if device.type != "cuda" or self.planner is None:
@@ -370,9 +426,3 @@ class BatchBalancer(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
-
-
-def _gather(strategy: Any, t: torch.Tensor) -> torch.Tensor:
-    """``strategy.all_gather`` with a leading rank dimension (it returns the input as is without a group)."""
-    out = strategy.all_gather(t.to(strategy.root_device))
-    return out.unsqueeze(0) if out.dim() == t.dim() else out

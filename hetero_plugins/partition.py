@@ -3,15 +3,16 @@
 Every rank runs the same number of steps (so collectives pair up). With N samples and a plan b (global
 batch B = sum b), the epoch has F = N // B full steps, in which rank i takes b_i samples, and, unless
 ``drop_last``, one last step that shares the R = N - F*B leftover samples in proportion to the plan
-(largest remainder), every rank getting at least one. Where R < world size, the last step is padded with
-samples from the start of the epoch's order, as ``torch.utils.data.DistributedSampler`` pads.
+(largest remainder), every rank getting at least one. As ``torch.utils.data.DistributedSampler`` does, the
+order is first padded to a multiple of the world size with samples from its start.
 
-Rank i's shard is a contiguous slice of a base order of the dataset. With ``locality=True`` (default) the
-base order is fixed for the run (a seeded permutation, or the identity without shuffling) and each rank
-reshuffles only within its own shard every epoch; when the plan changes, shard boundaries move a little and
-each rank keeps as much of its previous shard as a contiguous split allows (LOFT, Liu et al., IEEE TCC 2024:
-data-fetch locality dominates on distributed datasets). With ``locality=False`` the base order is a fresh
-permutation every epoch, like ``DistributedSampler``.
+By default (``locality=False``) the epoch's order is ``DistributedSampler``'s own, and step k of every rank
+together covers exactly the k-th global batch of that order: the step unions, hence the SGD updates, are
+those of stock DDP for any plan. With ``locality=True``, rank i's shard is a contiguous slice of an order
+fixed for the run (a seeded permutation, or the identity without shuffling) and each rank reshuffles only
+within its own shard every epoch; when the plan changes, shard boundaries move a little and each rank keeps
+as much of its previous shard as a contiguous split allows (LOFT, Liu et al., IEEE TCC 2024: data-fetch
+locality dominates on distributed datasets).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from hetero_plugins._validation import check_int
 
-__all__ = ["EpochLayout", "epoch_layout", "epoch_shards", "split_remainder"]
+__all__ = ["EpochLayout", "contiguous_split", "epoch_layout", "epoch_shards", "split_remainder"]
 
 
 def split_remainder(remainder: int, plan: Sequence[int]) -> list[int]:
@@ -80,30 +82,39 @@ class EpochLayout:
         return [self.full_steps * b + c for b, c in zip(self.plan, last)]
 
 
-def epoch_layout(num_samples: int, plan: Sequence[int], drop_last: bool = False) -> EpochLayout:
-    """The step structure of an epoch of ``num_samples`` under ``plan``."""
+def epoch_layout(
+    num_samples: int, plan: Sequence[int], drop_last: bool = False, pad_to_world_size: bool = True
+) -> EpochLayout:
+    """The step structure of an epoch of ``num_samples`` under ``plan``.
+
+    As ``DistributedSampler`` does, the epoch's order is first padded to a multiple of the world size (with
+    samples from its start); the padded order is then cut into full global batches, and the rest is shared
+    in proportion to the plan (or dropped with ``drop_last``, as ``DataLoader(drop_last=True)`` drops it).
+    With ``pad_to_world_size=False`` (evaluation) the order is padded only where the last step would leave a
+    rank without a sample.
+    """
     check_int("num_samples", num_samples, minimum=1)
     plan = tuple(int(b) for b in plan)
     if not plan or min(plan) < 1:
         raise ValueError(f"every rank needs a batch size >= 1, got plan {list(plan)}.")
-    global_batch = sum(plan)
-    full, rem = divmod(num_samples, global_batch)
+    world, global_batch = len(plan), sum(plan)
+    padding = (-num_samples) % world if pad_to_world_size else 0
+    full, rem = divmod(num_samples + padding, global_batch)
     if drop_last or rem == 0:
         if full == 0:
             raise ValueError(
                 f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch} "
                 f"(per-rank {list(plan)}) with drop_last=True. HINT: lower the batch size or set drop_last=False."
             )
-        return EpochLayout(plan, full, (), 0)
-    padding = max(0, len(plan) - rem)
-    return EpochLayout(plan, full, tuple(split_remainder(rem + padding, plan)), padding)
+        return EpochLayout(plan, full, (), padding)
+    if rem < world:  # a rank would get no sample in the last step
+        padding += world - rem
+        rem = world
+    return EpochLayout(plan, full, tuple(split_remainder(rem, plan)), padding)
 
 
-def _base_order(num_samples: int, epoch: int, seed: int, shuffle: bool, locality: bool) -> np.ndarray:
-    if not shuffle:
-        return np.arange(num_samples, dtype=np.int64)
-    rng = np.random.default_rng([seed] if locality else [seed, epoch])
-    return rng.permutation(num_samples).astype(np.int64)
+def _padded(order: np.ndarray, padding: int) -> np.ndarray:
+    return np.concatenate([order, np.resize(order, padding)]) if padding else order
 
 
 def epoch_shards(
@@ -113,28 +124,73 @@ def epoch_shards(
     seed: int = 0,
     shuffle: bool = True,
     drop_last: bool = False,
-    locality: bool = True,
+    locality: bool = False,
+    pad_to_world_size: bool = True,
 ) -> list[np.ndarray]:
     """Every rank's sample indices for one epoch, in the order that rank visits them.
 
     Rank i's step k batch is ``shards[i][k * plan[i] : (k + 1) * plan[i]]``; the last step holds the rest.
     Deterministic in its arguments, so every rank computes the same split without communication.
 
+    With ``locality=False`` (default) the epoch's order is exactly ``DistributedSampler``'s (the same seeded
+    ``torch.randperm(seed + epoch)``, the same padding) and step k's samples over all ranks are the k-th
+    global batch of that order, whatever the plan: the union of every step, hence every SGD update, is the
+    one stock DDP makes; only who computes which part changes. With ``locality=True`` each rank keeps a
+    contiguous shard of a fixed seeded order and reshuffles within it every epoch (LOFT).
+
     Example::
 
         >>> [s.tolist() for s in epoch_shards(10, [3, 1], shuffle=False)]
+        [[0, 1, 2, 4, 5, 6, 8], [3, 7, 9]]
+        >>> [s.tolist() for s in epoch_shards(10, [3, 1], shuffle=False, locality=True)]
         [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9]]
     """
-    layout = epoch_layout(num_samples, plan, drop_last)
-    order = _base_order(num_samples, epoch, seed, shuffle, locality)
-    if layout.padding:
-        order = np.concatenate([order, np.resize(order, layout.padding)])
-    sizes = layout.shard_sizes()
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    layout = epoch_layout(num_samples, plan, drop_last, pad_to_world_size)
+    offsets = np.concatenate([[0], np.cumsum(layout.plan)])
+    if locality:
+        base = np.random.default_rng([seed]).permutation(num_samples) if shuffle else np.arange(num_samples)
+        order = _padded(base.astype(np.int64), layout.padding)
+        bounds = np.concatenate([[0], np.cumsum(layout.shard_sizes())])
+        shards = []
+        for r in range(len(layout.plan)):
+            shard = order[bounds[r] : bounds[r + 1]].copy()
+            if shuffle:
+                np.random.default_rng([seed, epoch, r]).shuffle(shard)
+            shards.append(shard)
+        return shards
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        base = torch.randperm(num_samples, generator=g).numpy()
+    else:
+        base = np.arange(num_samples)
+    order = _padded(base.astype(np.int64), layout.padding)
+    global_batch = offsets[-1]
+    full = order[: layout.full_steps * global_batch].reshape(layout.full_steps, global_batch)
+    last = order[layout.full_steps * global_batch :]
+    last_offsets = np.concatenate([[0], np.cumsum(layout.last_counts)]) if layout.last_counts else None
     shards = []
-    for r in range(len(sizes)):
-        shard = order[bounds[r] : bounds[r + 1]].copy()
-        if shuffle and locality:
-            np.random.default_rng([seed, epoch, r]).shuffle(shard)
-        shards.append(shard)
+    for r in range(len(layout.plan)):
+        parts = [full[:, offsets[r] : offsets[r + 1]].reshape(-1)]
+        if last_offsets is not None:
+            parts.append(last[last_offsets[r] : last_offsets[r + 1]])
+        shards.append(np.concatenate(parts))
     return shards
+
+
+def contiguous_split(num_samples: int, plan: Sequence[int]) -> list[tuple[int, int]]:
+    """Cut ``range(num_samples)`` into one contiguous ``[start, stop)`` slice per rank, sized in proportion to
+    ``plan`` (largest remainder), without padding: for inference, where no collective pairs the steps.
+
+    Example::
+
+        >>> contiguous_split(10, [3, 1])
+        [(0, 8), (8, 10)]
+    """
+    total = sum(plan)
+    exact = [num_samples * b / total for b in plan]
+    sizes = [int(x) for x in exact]
+    for i in sorted(range(len(plan)), key=lambda k: (-(exact[k] - sizes[k]), k))[: num_samples - sum(sizes)]:
+        sizes[i] += 1
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [(int(bounds[r]), int(bounds[r + 1])) for r in range(len(plan))]

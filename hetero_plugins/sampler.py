@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 from torch.utils.data import Sampler
 
 from hetero_plugins._validation import check_int
-from hetero_plugins.partition import EpochLayout, epoch_layout, epoch_shards
+from hetero_plugins.partition import EpochLayout, contiguous_split, epoch_layout, epoch_shards
 
-__all__ = ["HeteroBatchSampler", "HeteroDistributedSampler"]
+__all__ = ["HeteroBatchSampler", "HeteroDistributedSampler", "HeteroInferenceBatchSampler"]
 
 
 class HeteroDistributedSampler(Sampler[int]):
@@ -26,13 +26,16 @@ class HeteroDistributedSampler(Sampler[int]):
         shuffle: shuffle with a seeded, epoch-dependent order.
         seed: shared by all ranks.
         drop_last: drop the last partial global batch instead of sharing it.
-        locality: keep each rank's shard across epochs and plan changes (LOFT); else reshuffle globally.
+        locality: keep each rank's shard across epochs and plan changes (LOFT); by default the step unions
+            are exactly ``DistributedSampler``'s (see :mod:`hetero_plugins.partition`).
+        pad_to_world_size: pad the epoch to a multiple of the world size as ``DistributedSampler`` does
+            (training); ``False`` pads only where a rank would get no sample (evaluation: exact metrics).
 
     Example::
 
         >>> s = HeteroDistributedSampler(10, plan=[3, 1], rank=1, shuffle=False)
         >>> list(s)
-        [7, 8, 9]
+        [3, 7, 9]
     """
 
     def __init__(
@@ -43,9 +46,11 @@ class HeteroDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        locality: bool = True,
+        locality: bool = False,
+        pad_to_world_size: bool = True,
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
+        self.pad_to_world_size = bool(pad_to_world_size)
         self.rank = check_int("rank", rank, minimum=0)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -64,7 +69,7 @@ class HeteroDistributedSampler(Sampler[int]):
         plan = tuple(int(b) for b in plan)
         if self.rank >= len(plan):
             raise ValueError(f"`rank`={self.rank} is out of range for a plan of {len(plan)} ranks: {list(plan)}.")
-        epoch_layout(self.num_samples, plan, self.drop_last)  # validates
+        epoch_layout(self.num_samples, plan, self.drop_last, self.pad_to_world_size)  # validates
         self.plan = plan
 
     def set_epoch(self, epoch: int) -> None:
@@ -72,7 +77,7 @@ class HeteroDistributedSampler(Sampler[int]):
 
     @property
     def layout(self) -> EpochLayout:
-        return epoch_layout(self.num_samples, self.plan, self.drop_last)
+        return epoch_layout(self.num_samples, self.plan, self.drop_last, self.pad_to_world_size)
 
     @property
     def batch_size(self) -> int:
@@ -85,7 +90,8 @@ class HeteroDistributedSampler(Sampler[int]):
 
     def shards(self) -> list:
         return epoch_shards(
-            self.num_samples, self.plan, self.epoch, self.seed, self.shuffle, self.drop_last, self.locality
+            self.num_samples, self.plan, self.epoch, self.seed, self.shuffle, self.drop_last, self.locality,
+            self.pad_to_world_size,
         )
 
     def __iter__(self) -> Iterator[int]:
@@ -103,7 +109,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
     Example::
 
         >>> list(HeteroBatchSampler(10, plan=[3, 1], rank=0, shuffle=False))
-        [[0, 1, 2], [3, 4, 5], [6]]
+        [[0, 1, 2], [4, 5, 6], [8]]
     """
 
     def __init__(
@@ -114,7 +120,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        locality: bool = True,
+        locality: bool = False,
     ) -> None:
         self.sampler = HeteroDistributedSampler(num_samples, plan, rank, shuffle, seed, drop_last, locality)
 
@@ -140,3 +146,31 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return self.sampler.layout.steps
+
+
+class HeteroInferenceBatchSampler(Sampler[list[int]]):
+    """Inference batches: rank ``rank`` takes a contiguous slice of ``order`` sized in proportion to ``plan``
+    and yields it in batches of ``plan[rank]``. No padding and no shuffling, so concatenating every rank's
+    outputs in rank order gives the outputs in ``order``. Ranks may run different numbers of batches.
+
+    Example::
+
+        >>> [list(HeteroInferenceBatchSampler(range(10), [3, 1], r)) for r in (0, 1)]
+        [[[0, 1, 2], [3, 4, 5], [6, 7]], [[8], [9]]]
+    """
+
+    def __init__(self, order: Sequence[int], plan: Sequence[int], rank: int) -> None:
+        self.order = list(order)
+        self.plan = tuple(int(b) for b in plan)
+        self.rank = check_int("rank", rank, minimum=0)
+        if self.rank >= len(self.plan) or min(self.plan) < 1:
+            raise ValueError(f"`plan`={list(self.plan)} must hold a batch size >= 1 for rank {self.rank}.")
+        self.start, self.stop = contiguous_split(len(self.order), self.plan)[self.rank]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.plan[self.rank]
+        for lo in range(self.start, self.stop, b):
+            yield self.order[lo : min(lo + b, self.stop)]
+
+    def __len__(self) -> int:
+        return -(-(self.stop - self.start) // self.plan[self.rank])

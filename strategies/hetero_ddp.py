@@ -42,7 +42,8 @@ class HeteroDDPStrategy(DDPStrategy):
         max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
         min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
         half_life: forgetting of the per-rank time models, in steps.
-        locality: keep each rank's data shard across epochs and plan changes.
+        locality: keep each rank's data shard across epochs and plan changes (LOFT); by default every
+            step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: per-rank batch sizes for validation, test and predict loaders too.
         timeout: bound on every collective; a rank that dies ends the job after at most this long.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
@@ -62,7 +63,7 @@ class HeteroDDPStrategy(DDPStrategy):
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
         half_life: float = 12.0,
-        locality: bool = True,
+        locality: bool = False,
         balance_eval: bool = True,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,

@@ -43,6 +43,9 @@ class DigitsMLP(pl.LightningModule):
         self.log("val_acc", (self(x).argmax(1) == y).double().mean(), sync_dist=True, batch_size=len(y))
         self.log("val_batch", float(len(y)), reduce_fx="max", sync_dist=False, batch_size=1)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 

@@ -33,7 +33,7 @@ def replay(model: DigitsMLP, history: list[dict], epochs: int, seed: int = 0) ->
     n = len(train)
     for epoch in range(epochs):
         plan = history[epoch]["batch_sizes"]
-        shards = epoch_shards(n, plan, epoch=epoch, seed=seed, shuffle=True, drop_last=False, locality=True)
+        shards = epoch_shards(n, plan, epoch=epoch, seed=seed, shuffle=True, drop_last=False)
         layout = epoch_layout(n, plan)
         for k in range(layout.steps):
             idx = []
@@ -126,14 +126,16 @@ def test_resume_keeps_plan_and_time_models(tmp_path):
     assert hist[2]["batch_sizes"] == saved["plan"]  # the resumed epoch starts on the saved plan
 
 
-def test_gradient_accumulation_and_batchnorm_warning(tmp_path):
+def test_gradient_accumulation_mixed_precision_and_batchnorm_warning(tmp_path):
+    from hetero_plugins.apps.digits import DigitsCNN
+
     pl.seed_everything(0)
     t = trainer(tmp_path, HeteroDDPStrategy(start_method="spawn", min_batch_size=2),
                 [HeterogeneityEmulator([1.0, 0.5], cost_per_sample=0.002)],
-                max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10)
+                max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10, precision="bf16-mixed")
     with pytest.warns(RuntimeWarning, match="BatchNorm"):
         BatchBalancer().setup(t, DigitsMLP(batchnorm=True), "fit")
-    t.fit(DigitsMLP(batch_size=16))
+    t.fit(DigitsCNN(batch_size=16))
     hist = read_reports(str(tmp_path), 2)[0]["plan_history"]
     assert len(hist) == 2 and all(sum(h["batch_sizes"]) == 32 and min(h["batch_sizes"]) >= 2 for h in hist)
 

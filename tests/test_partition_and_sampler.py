@@ -12,9 +12,9 @@ CASES = list(itertools.product([1, 7, 64, 101, 1797], [[1], [3, 5], [32, 32, 16,
 
 
 @pytest.mark.parametrize("n, plan, drop_last", CASES)
-@pytest.mark.parametrize("shuffle, locality", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("shuffle, locality", [(False, True), (True, True), (True, False), (False, False)])
 def test_every_sample_once_for_every_rank(n, plan, drop_last, shuffle, locality):
-    if drop_last and n < sum(plan):
+    if drop_last and n + (-n) % len(plan) < sum(plan):
         with pytest.raises(ValueError, match="fewer than one global batch"):
             epoch_layout(n, plan, drop_last)
         return
@@ -27,11 +27,12 @@ def test_every_sample_once_for_every_rank(n, plan, drop_last, shuffle, locality)
         flat = [i for s in shards for i in s]
         distinct = set(flat)
         if drop_last:
-            assert len(flat) == len(distinct) == layout.full_steps * sum(plan)  # disjoint; the remainder dropped
+            assert len(flat) == layout.full_steps * sum(plan)  # the remainder dropped
+            assert len(flat) - len(distinct) <= max(0, len(flat) - n)  # repeats only where padding was needed
         else:
             assert distinct == set(range(n))  # complete
             assert len(flat) == n + layout.padding  # disjoint except the documented padding
-            assert layout.padding < len(plan)
+            assert layout.padding < 2 * len(plan)
         # every rank runs the same number of steps, and step k has step_counts(k) samples per rank
         batches = [list(HeteroBatchSampler(n, plan, r, shuffle=shuffle, seed=5, drop_last=drop_last, locality=locality))
                    for r in range(len(plan))]
@@ -46,13 +47,13 @@ def test_shuffle_is_seeded_and_epoch_dependent():
     b = list(HeteroDistributedSampler(100, [30, 20], 0, seed=1))
     s = HeteroDistributedSampler(100, [30, 20], 0, seed=1)
     s.set_epoch(1)
-    assert a == b and a != list(s) and set(a) == set(s)
+    assert a == b and a != list(s) and len(a) == len(s)
 
 
 def test_locality_keeps_most_of_the_shard_when_the_plan_changes():
     n = 1000
-    before = [set(s.tolist()) for s in epoch_shards(n, [50, 50], epoch=0, seed=3)]
-    after = [set(s.tolist()) for s in epoch_shards(n, [55, 45], epoch=1, seed=3)]
+    before = [set(s.tolist()) for s in epoch_shards(n, [50, 50], epoch=0, seed=3, locality=True)]
+    after = [set(s.tolist()) for s in epoch_shards(n, [55, 45], epoch=1, seed=3, locality=True)]
     kept = [len(b & a) / len(a) for b, a in zip(before, after)]
     assert min(kept) >= 0.9
     nonlocal_after = [set(s.tolist()) for s in epoch_shards(n, [55, 45], epoch=1, seed=3, locality=False)]
@@ -63,7 +64,7 @@ def test_works_inside_a_batch_sampler_and_dataloader():
     ds = TensorDataset(torch.arange(20))
     inner = HeteroDistributedSampler(20, [6, 2], rank=1, shuffle=False)
     dl = DataLoader(ds, batch_sampler=BatchSampler(inner, batch_size=2, drop_last=False))
-    assert [b[0].tolist() for b in dl] == [[15, 16], [17, 18], [19]]
+    assert [b[0].tolist() for b in dl] == [[6, 7], [14, 15], [19]]
 
 
 def test_set_plan_validates():
@@ -74,3 +75,36 @@ def test_set_plan_validates():
         s.set_plan([10, 0])
     with pytest.raises(ValueError, match="num_samples"):
         HeteroDistributedSampler(0, [1], 0)
+
+
+@pytest.mark.parametrize("n, world, b", [(1437, 4, 32), (359, 2, 16), (100, 3, 7), (64, 2, 32)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_step_unions_equal_distributed_samplers_for_any_plan(n, world, b, drop_last):
+    """The default layout: step k's samples over all ranks are those of stock DDP's step k, whatever the plan."""
+    from torch.utils.data import DistributedSampler
+
+    stock = []
+    for r in range(world):
+        ds = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=7)
+        ds.set_epoch(2)
+        stock.append(list(BatchSampler(ds, b, drop_last)))
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, b * world), world - 1, replace=False))
+    plan = np.diff(np.concatenate([[0], cuts, [b * world]])).tolist()
+    ours = []
+    for r in range(world):
+        s = HeteroBatchSampler(n, plan, r, shuffle=True, seed=7, drop_last=drop_last)
+        s.set_epoch(2)
+        ours.append(list(s))
+    assert len(ours[0]) == len(stock[0])
+    for k in range(len(stock[0])):
+        assert sorted(i for r in range(world) for i in ours[r][k]) == sorted(i for r in range(world) for i in stock[r][k])
+
+
+@pytest.mark.parametrize("n, plan", [(359, [26, 6]), (359, [16, 16]), (10, [3, 4, 1]), (5, [4, 4])])
+def test_evaluation_layout_pads_only_where_a_rank_would_be_empty(n, plan):
+    layout = epoch_layout(n, plan, pad_to_world_size=False)
+    flat = [i for r in range(len(plan)) for i in HeteroDistributedSampler(n, plan, r, shuffle=False, pad_to_world_size=False)]
+    assert set(flat) == set(range(n)) and len(flat) == n + layout.padding
+    rem = n % sum(plan)
+    assert layout.padding == (len(plan) - rem if 0 < rem < len(plan) else 0)

@@ -34,9 +34,9 @@ def digits_datasets(seed: int = 0, val_fraction: float = 0.2, dtype: torch.dtype
 
 
 class DigitsCNN(pl.LightningModule):
-    """Two conv layers and two linear layers; SGD with momentum. Logs ``val_acc`` and ``val_loss``."""
+    """Two conv layers and two linear layers; SGD with momentum and a cosine schedule. Logs ``val_acc``/``val_loss``."""
 
-    def __init__(self, lr: float = 0.05, momentum: float = 0.9, batch_size: int = 32, seed: int = 0) -> None:
+    def __init__(self, lr: float = 0.1, momentum: float = 0.9, batch_size: int = 32, seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -64,8 +64,10 @@ class DigitsCNN(pl.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0]).argmax(1)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+        epochs = self.trainer.max_epochs if self._trainer is not None and self.trainer.max_epochs else 10
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(1, epochs))}
 
     def train_dataloader(self) -> DataLoader:
         train, _ = digits_datasets(self.hparams.seed)
@@ -77,14 +79,20 @@ class DigitsCNN(pl.LightningModule):
 
 
 class RunRecorder(Callback):
-    """Rank 0 writes, after every epoch, a JSON file with timings, metrics and the balancer's history.
+    """Rank 0 records timings, metrics and the balancer's history, prints one progress line per epoch and
+    writes a JSON file (after every epoch, so a crash leaves what was done).
 
     Epoch time is the training part of the epoch (first batch start to last batch end, as rank 0 sees it,
     which under synchronous training is every rank's); validation time is excluded.
+
+    Args:
+        path: JSON file to write.
+        label: prefix of the progress lines; ``None`` prints nothing.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, label: str | None = None) -> None:
         self.path = Path(path)
+        self.label = label
         self.epochs: list[dict[str, Any]] = []
         self._t0: float | None = None
         self._last: float | None = None
@@ -100,20 +108,27 @@ class RunRecorder(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._last = time.perf_counter()
 
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._t0 is None or self._last is None:
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._t0 is None or self._last is None:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
-        self.epochs.append({
-            "epoch": trainer.current_epoch,
-            "train_time": self._last - self._t0,
-            "wall_time": time.perf_counter() - self._start,
-            **metrics,
-        })
+        plan = getattr(trainer.strategy, "batch_plan", None)
+        entry = {"epoch": trainer.current_epoch, "train_time": self._last - self._t0,
+                 "wall_time": time.perf_counter() - self._start, "batch_sizes": plan, **metrics}
+        self.epochs.append(entry)
+        if trainer.is_global_zero:
+            if self.label is not None:
+                acc = f" val_acc {metrics['val_acc']:.3f}" if "val_acc" in metrics else ""
+                sizes = f" batch sizes {plan}" if plan else ""
+                print(f"[{self.label}] epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
+                      f"train {entry['train_time']:.2f}s{acc}{sizes}", flush=True)
+            self._write(trainer)
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
         history = getattr(trainer.strategy, "plan_history", None)
         if history is None:
             for cb in trainer.callbacks:

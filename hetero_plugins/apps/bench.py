@@ -1,0 +1,168 @@
+"""Benchmarks: stock DDP vs HeteroDDPStrategy on 4 emulated CPU ranks, measured side by side in one run.
+
+Writes ``bench_output/results.json`` and rewrites the table between the ``bench:start``/``bench:end``
+markers of README.md. Ratios are the target: each pair of runs shares the machine, the model and the data.
+
+Scenarios (digits CNN, global batch 128, emulated cost 4 ms per sample at speed 1):
+- ``heterogeneous``: speeds 1, 1, 0.5, 0.25, 12 epochs; steady epochs (2..) time ratio, the fraction of the
+  ideal ratio sum(speeds) / (world x min(speeds)) = 2.75, final accuracy and time to 95% validation accuracy;
+- ``homogeneous``: speeds 1, 1, 1, 1, 5 epochs: the overhead of balancing when there is nothing to balance;
+- ``slowdown``: speeds 1, 1, 1, 1 and rank 1 drops to 0.3 at epoch 3: the fraction of the ideal reached in
+  epoch 4, one epoch after the change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from hetero_plugins.apps.jobs import run_digits_job, steady_mean
+
+__all__ = ["main"]
+
+COST = 0.004
+TARGET_ACC = 0.95
+
+
+def ideal_ratio(speeds: list[float]) -> float:
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def time_to_accuracy(record: dict[str, Any], target: float) -> float | None:
+    elapsed = 0.0
+    for e in record["epochs"]:
+        elapsed += e["train_time"]
+        if e.get("val_acc", 0.0) >= target:
+            return elapsed
+    return None
+
+
+def scenario_heterogeneous(epochs: int) -> dict[str, Any]:
+    speeds = [1.0, 1.0, 0.5, 0.25]
+    ddp = run_digits_job("ddp", speeds, COST, epochs, label="heterogeneous/ddp")
+    het = run_digits_job("hetero", speeds, COST, epochs, label="heterogeneous/hetero")
+    ratio = steady_mean(ddp) / steady_mean(het)
+    tta_d, tta_h = time_to_accuracy(ddp, TARGET_ACC), time_to_accuracy(het, TARGET_ACC)
+    return {
+        "speeds": speeds, "epochs": epochs,
+        "ddp_steady_epoch_s": steady_mean(ddp), "hetero_steady_epoch_s": steady_mean(het),
+        "speedup": ratio, "ideal_speedup": ideal_ratio(speeds), "fraction_of_ideal": ratio / ideal_ratio(speeds),
+        "ddp_final_acc": ddp["epochs"][-1]["val_acc"], "hetero_final_acc": het["epochs"][-1]["val_acc"],
+        "acc_diff_points": 100 * (het["epochs"][-1]["val_acc"] - ddp["epochs"][-1]["val_acc"]),
+        "target_acc": TARGET_ACC, "ddp_time_to_acc_s": tta_d, "hetero_time_to_acc_s": tta_h,
+        "time_to_acc_speedup": (tta_d / tta_h) if tta_d and tta_h else None,
+        "final_batch_sizes": het["plan_history"][-1]["batch_sizes"],
+        "ddp": ddp, "hetero": het,
+    }
+
+
+def scenario_homogeneous(epochs: int) -> dict[str, Any]:
+    speeds = [1.0, 1.0, 1.0, 1.0]
+    ddp = run_digits_job("ddp", speeds, COST, epochs, label="homogeneous/ddp")
+    het = run_digits_job("hetero", speeds, COST, epochs, label="homogeneous/hetero")
+    slowdown = steady_mean(het, 1) / steady_mean(ddp, 1) - 1.0
+    return {"speeds": speeds, "epochs": epochs, "ddp_steady_epoch_s": steady_mean(ddp, 1),
+            "hetero_steady_epoch_s": steady_mean(het, 1), "hetero_slower_by": slowdown, "ddp": ddp, "hetero": het}
+
+
+def scenario_slowdown(epochs: int) -> dict[str, Any]:
+    speeds, change_epoch = [1.0, 1.0, 1.0, 1.0], 3
+    schedule = {change_epoch: {1: 0.3}}
+    after = [1.0, 0.3, 1.0, 1.0]
+    ddp = run_digits_job("ddp", speeds, COST, epochs, schedule=schedule, label="slowdown/ddp")
+    het = run_digits_job("hetero", speeds, COST, epochs, schedule=schedule, label="slowdown/hetero")
+    ddp_after = steady_mean(ddp, change_epoch + 1)
+    het_next = het["epochs"][change_epoch + 1]["train_time"]
+    ratio = ddp_after / het_next
+    return {"speeds": speeds, "schedule": {str(k): v for k, v in schedule.items()}, "epochs": epochs,
+            "ddp_epoch_after_change_s": ddp_after, "hetero_epoch_after_change_s": het_next,
+            "speedup_one_epoch_after": ratio, "ideal_speedup": ideal_ratio(after),
+            "fraction_of_ideal_one_epoch_after": ratio / ideal_ratio(after),
+            "hetero_batch_sizes": [h["batch_sizes"] for h in het["plan_history"]], "ddp": ddp, "hetero": het}
+
+
+def table(results: dict[str, Any]) -> str:
+    h, m, s = results["heterogeneous"], results["homogeneous"], results["slowdown"]
+    rows = [
+        "| scenario (4 CPU ranks, emulated) | stock DDP | HeteroDDPStrategy | result | target |",
+        "|---|---|---|---|---|",
+        f"| speeds 1, 1, 0.5, 0.25: steady epoch | {h['ddp_steady_epoch_s']:.2f} s | {h['hetero_steady_epoch_s']:.2f} s "
+        f"| **{h['speedup']:.2f}x** faster, {h['fraction_of_ideal']:.2f} of ideal {h['ideal_speedup']:.2f}x "
+        f"| >= 2.0x and >= 0.85 of ideal |",
+        f"| same: final val accuracy ({h['epochs']} epochs) | {100 * h['ddp_final_acc']:.2f}% "
+        f"| {100 * h['hetero_final_acc']:.2f}% | {h['acc_diff_points']:+.2f} points | within +/-0.5 points |",
+        f"| same: training time to {100 * h['target_acc']:.0f}% val accuracy | "
+        f"{_fmt(h['ddp_time_to_acc_s'])} | {_fmt(h['hetero_time_to_acc_s'])} | "
+        f"**{_fmt(h['time_to_acc_speedup'], 'x')}** better | >= 2x |",
+        f"| speeds 1, 1, 1, 1: steady epoch | {m['ddp_steady_epoch_s']:.2f} s | {m['hetero_steady_epoch_s']:.2f} s "
+        f"| {100 * m['hetero_slower_by']:+.1f}% | at most +3% |",
+        f"| rank 1 slows 1 -> 0.3 at epoch 3: epoch 4 | {s['ddp_epoch_after_change_s']:.2f} s "
+        f"| {s['hetero_epoch_after_change_s']:.2f} s | {s['speedup_one_epoch_after']:.2f}x, "
+        f"{s['fraction_of_ideal_one_epoch_after']:.2f} of ideal {s['ideal_speedup']:.2f}x | >= 0.85 of ideal |",
+    ]
+    hv = results.get("horovod")
+    if hv:
+        rows.append(
+            f"| Horovod, 2 ranks at speeds 1, 0.25 (`horovodrun --gloo`): steady epoch | "
+            f"{hv['steady_epoch_time_stock']:.2f} s | {hv['steady_epoch_time_hetero']:.2f} s | "
+            f"**{hv['speedup']:.2f}x** faster, {hv['fraction_of_ideal']:.2f} of ideal {hv['ideal_speedup']:.2f}x "
+            f"| >= 1.8x and >= 0.8 of ideal |"
+        )
+    meta = results["meta"]
+    rows.append("")
+    rows.append(f"Measured {meta['date']} on {meta['machine']} with `make bench` ({meta['seconds']:.0f} s); "
+                "times are training time per epoch (validation excluded), ratios from runs made side by side.")
+    return "\n".join(rows)
+
+
+def _fmt(v: float | None, unit: str = " s") -> str:
+    return "not reached" if v is None else f"{v:.2f}{unit}"
+
+
+def update_readme(readme: Path, text: str) -> bool:
+    if not readme.exists():
+        return False
+    content = readme.read_text()
+    pattern = re.compile(r"(<!-- bench:start -->\n).*?(\n<!-- bench:end -->)", re.S)
+    if not pattern.search(content):
+        return False
+    readme.write_text(pattern.sub(lambda m: m.group(1) + text + m.group(2), content))
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetero-plugins bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_output", help="folder for results.json")
+    parser.add_argument("--readme", default="README.md", help="README whose bench table is rewritten")
+    parser.add_argument("--epochs", type=int, default=12, help="epochs of the heterogeneous scenario")
+    parser.add_argument("--horovod-json", default=None,
+                        help="results of benchmarks/horovod_bench.py to include in the table (run first)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {
+        "heterogeneous": scenario_heterogeneous(args.epochs),
+        "homogeneous": scenario_homogeneous(5),
+        "slowdown": scenario_slowdown(6),
+    }
+    if args.horovod_json and Path(args.horovod_json).exists():
+        hv = json.loads(Path(args.horovod_json).read_text())
+        results["horovod"] = {k: v for k, v in hv.items() if k not in ("stock", "hetero")}
+    results["meta"] = {"date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - t0,
+                       "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = table(results)
+    print("\n" + text)
+    if update_readme(Path(args.readme), text):
+        print(f"\nupdated the table in {args.readme}")
+    print(f"wrote {out / 'results.json'}")
+    return 0

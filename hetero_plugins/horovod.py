@@ -1,0 +1,728 @@
+"""Hooks for plain ``horovodrun`` scripts: per-rank batch sizes, sample-weighted gradients, elastic epochs.
+
+The contract (see ``docs/horovod.md`` and ``examples/horovod_train.py``)::
+
+    import horovod.torch as hvd
+    import hetero_plugins.horovod as hh
+
+    hvd.init()
+    sampler = hh.HeteroBatchSampler(len(dataset), batch_size=32, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_sampler=sampler)
+    optimizer = hh.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                        batch_sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)   # collective: applies the plan made from the last epoch's timings
+        for x, y in loader:
+            optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+
+``batch_size`` is each rank's batch at the start; the global batch ``batch_size * hvd.size()`` never changes.
+Rank i's gradient is scaled by its share b_i / B of the step's samples before Horovod sums (``op=hvd.Sum``),
+so the update equals one process stepping on the union of the step's samples (LBB, Yao et al. 2024, and DBS,
+Ye et al. 2020, aggregate exactly so; Horovod's default ``op=hvd.Average`` would weight every rank equally).
+Each rank's compute time per step is measured from the moment its batch is drawn until its last gradient
+is ready, before the all-reduce makes it wait for the others; at ``set_epoch`` the ranks all-gather these
+records (``hvd.allgather``; ``mpi4py`` under a plain ``mpirun`` launch), every rank feeds them to its
+:class:`~hetero_plugins.planner.BalancePlanner`, and rank 0's plan is broadcast (``hvd.broadcast_object``).
+
+Elastic Horovod: the sampler's :meth:`HeteroBatchSampler.state_dict` holds the epoch, the steps done and
+the planner, and the sampler registers itself with ``hvd.elastic.TorchState`` (pass it as a keyword
+argument, e.g. ``TorchState(model, optimizer, sampler=sampler)``). After a reset with another world size the
+samples of the interrupted epoch that no committed step processed are re-split over the new ranks under a
+fresh plan for the same global batch, so none is lost or repeated (see :func:`unprocessed_indices`).
+
+Horovod 0.28.1 needs a one-line C++17 patch to build against torch >= 2.1 (horovod#3996); ``make horovod``
+builds and caches it. ``import hetero_plugins.horovod`` works without Horovod; using it needs Horovod.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from hetero_plugins._validation import check_choice, check_int
+from hetero_plugins.allocators import Allocator
+from hetero_plugins.partition import EpochLayout, epoch_layout, epoch_shards
+from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.telemetry import StepTimer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DistributedOptimizer",
+    "GradientWeighting",
+    "HeteroBatchSampler",
+    "HorovodExchange",
+    "MPIExchange",
+    "get_exchange",
+    "resplit_unprocessed",
+    "segment_layout",
+    "segment_shards",
+    "unprocessed_indices",
+]
+
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _hvd() -> Any:
+    """``horovod.torch``, or a ``ValueError`` that says how to install it."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"hetero_plugins.horovod needs Horovod with PyTorch support ({err}). HINT: run `make horovod` "
+            "(builds Horovod 0.28.1 patched for torch 2.x, horovod#3996) or see docs/horovod.md."
+        ) from err
+    return hvd
+
+
+# ---------------------------------------------------------------------------------------------- exchange
+class HorovodExchange:
+    """Collectives for the epoch-end statistics through Horovod (``hvd.allgather``, ``hvd.broadcast_object``).
+
+    Every call names its tensors explicitly: Horovod matches collectives by name, and
+    ``hvd.broadcast_object``'s default name (the object's type) differs between ranks whenever the root
+    passes an object and the others ``None`` - a silent hang.
+    """
+
+    kind = "horovod"
+
+    def rank(self) -> int:
+        return int(_hvd().rank())
+
+    def size(self) -> int:
+        return int(_hvd().size())
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        """Stack every rank's ``array`` (same shape on all ranks) along a new leading rank axis."""
+        t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64)).unsqueeze(0)
+        return _hvd().allgather(t, name=name).numpy()
+
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        return _hvd().broadcast_object(obj, root_rank=root, name=name)
+
+
+class MPIExchange:
+    """The same collectives through ``mpi4py`` (for ``mpirun`` launches, where Horovod runs on MPI)."""
+
+    kind = "mpi"
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD
+
+    def rank(self) -> int:
+        return int(self.comm.Get_rank())
+
+    def size(self) -> int:
+        return int(self.comm.Get_size())
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        return np.stack(self.comm.allgather(np.asarray(array, dtype=np.float64)))
+
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        return self.comm.bcast(obj, root=root)
+
+
+def get_exchange(kind: str = "auto") -> HorovodExchange | MPIExchange:
+    """The collective backend for epoch statistics.
+
+    Args:
+        kind: ``"horovod"``, ``"mpi"`` (``mpi4py``) or ``"auto"``: Horovod under ``horovodrun`` (which sets
+            ``HOROVOD_*`` variables), ``mpi4py`` under a bare ``mpirun`` when it is installed, else Horovod.
+
+    Example::
+
+        >>> get_exchange("horovod").kind
+        'horovod'
+    """
+    check_choice("exchange", kind, ("auto", "horovod", "mpi"))
+    if kind == "auto":
+        under_horovodrun = any(k.startswith("HOROVOD_") for k in os.environ)
+        under_mpirun = any(k in os.environ for k in _MPI_RANK_VARS)
+        kind = "horovod"
+        if under_mpirun and not under_horovodrun:
+            try:
+                import mpi4py  # noqa: F401
+
+                kind = "mpi"
+            except ImportError:
+                kind = "horovod"
+    return MPIExchange() if kind == "mpi" else HorovodExchange()
+
+
+# ----------------------------------------------------------------------------------- epoch segments (pure)
+def segment_layout(num_samples: int, plan: Sequence[int], order: Sequence[int] | None, drop_last: bool) -> EpochLayout:
+    """Layout of an epoch (``order is None``) or of a resumed remainder of one (``order``: its indices).
+
+    A resumed remainder never drops samples: it holds exactly what the interrupted epoch still owed.
+    """
+    if order is None:
+        return epoch_layout(num_samples, plan, drop_last)
+    if len(order) == 0:
+        return EpochLayout(tuple(int(b) for b in plan), 0, (), 0)
+    return epoch_layout(len(order), plan, drop_last=False)
+
+
+def segment_shards(
+    num_samples: int,
+    plan: Sequence[int],
+    order: Sequence[int] | None = None,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    locality: bool = False,
+) -> list[np.ndarray]:
+    """Every rank's indices of an epoch (``order is None``, as :func:`~hetero_plugins.epoch_shards`) or of a
+    resumed remainder ``order``, cut into contiguous per-rank shards under ``plan``.
+
+    Example::
+
+        >>> [s.tolist() for s in segment_shards(10, [2, 1], order=[9, 8, 7, 6, 5])]
+        [[9, 8, 7], [6, 5]]
+    """
+    if order is None:
+        return epoch_shards(num_samples, plan, epoch, seed, shuffle, drop_last, locality)
+    base = np.asarray(order, dtype=np.int64)
+    if base.size == 0:
+        return [np.zeros(0, dtype=np.int64) for _ in plan]
+    layout = segment_layout(num_samples, plan, base, drop_last)
+    if layout.padding:
+        base = np.concatenate([base, np.resize(base, layout.padding)])
+    bounds = np.concatenate([[0], np.cumsum(layout.shard_sizes())])
+    return [base[bounds[r] : bounds[r + 1]].copy() for r in range(len(plan))]
+
+
+def unprocessed_indices(shards: Sequence[np.ndarray], layout: EpochLayout, steps_done: int) -> np.ndarray:
+    """The samples of a segment that its first ``steps_done`` steps did not process, without duplicates.
+
+    Rank i processed the first ``sum(layout.step_counts(s)[i] for s < steps_done)`` entries of its shard.
+    Padding (the duplicates a short last step borrows) is never counted twice.
+
+    Example::
+
+        >>> from hetero_plugins.partition import epoch_layout
+        >>> shards = [np.arange(0, 6), np.arange(6, 8)]         # plan [3, 1]: two steps
+        >>> unprocessed_indices(shards, epoch_layout(8, [3, 1]), steps_done=1).tolist()
+        [3, 4, 5, 7]
+    """
+    check_int("steps_done", steps_done, minimum=0)
+    if steps_done > layout.steps:
+        raise ValueError(f"`steps_done`={steps_done} exceeds the segment's {layout.steps} steps.")
+    consumed = [0] * len(shards)
+    for s in range(steps_done):
+        for r, c in enumerate(layout.step_counts(s)):
+            consumed[r] += c
+    done = set()
+    for r, shard in enumerate(shards):
+        done.update(shard[: consumed[r]].tolist())
+    out: list[int] = []
+    seen: set[int] = set()
+    for r, shard in enumerate(shards):
+        for i in shard[consumed[r] :].tolist():
+            if i not in done and i not in seen:
+                seen.add(i)
+                out.append(i)
+    return np.asarray(out, dtype=np.int64)
+
+
+def resplit_unprocessed(
+    shards: Sequence[np.ndarray], layout: EpochLayout, steps_done: int, new_plan: Sequence[int]
+) -> list[np.ndarray]:
+    """Re-split what an interrupted segment still owes over a new set of ranks (elastic Horovod).
+
+    Args:
+        shards: every old rank's indices of the interrupted segment (:func:`segment_shards`).
+        layout: that segment's layout (:func:`segment_layout`).
+        steps_done: committed steps of the segment; their samples are done.
+        new_plan: per-rank batch sizes of the new world, any length.
+
+    Returns:
+        The new ranks' shards: together they hold every unprocessed sample exactly once (plus the padding
+        a last step shorter than the world size borrows, as ``DistributedSampler`` pads).
+
+    Example::
+
+        >>> from hetero_plugins.partition import epoch_layout
+        >>> shards = [np.arange(0, 6), np.arange(6, 8)]
+        >>> [s.tolist() for s in resplit_unprocessed(shards, epoch_layout(8, [3, 1]), 1, [4])]
+        [[3, 4, 5, 7]]
+    """
+    remaining = unprocessed_indices(shards, layout, steps_done)
+    return segment_shards(len(remaining), new_plan, order=remaining)
+
+
+# --------------------------------------------------------------------------------------------- sampler
+class HeteroBatchSampler(Sampler[list[int]]):
+    """This rank's batches under a plan of per-rank batch sizes that is remade every epoch (Horovod).
+
+    Pass it as ``DataLoader(dataset, batch_sampler=sampler)`` and give it to :func:`DistributedOptimizer`,
+    which reports the step timings and weights the gradients. Every rank runs the same number of steps;
+    every sample is visited exactly once per epoch over all ranks (a last global batch shorter than the
+    world size borrows padding, as ``DistributedSampler`` does; ``drop_last=True`` drops it instead).
+
+    Args:
+        num_samples: length of the dataset.
+        batch_size: every rank's batch size at the start; the global batch ``batch_size * world_size``
+            stays fixed, also when an elastic job changes its world size.
+        shuffle: shuffle with a seeded, epoch-dependent order.
+        seed: shared by all ranks.
+        drop_last: drop the last partial global batch of each epoch.
+        locality: keep each rank's shard across epochs and plan changes (LOFT); by default the step
+            unions are exactly DistributedSampler's.
+        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
+            :class:`~hetero_plugins.allocators.Allocator`.
+        min_batch_size: smallest local batch a rank may get.
+        max_batch_size: largest local batch a rank may get (``None``: unbounded).
+        min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
+        half_life: forgetting of the per-rank time models, in steps.
+        exchange: ``"auto"``, ``"horovod"`` or ``"mpi"`` (see :func:`get_exchange`).
+
+    Attributes:
+        planner: the :class:`~hetero_plugins.planner.BalancePlanner` (identical on every rank).
+        timer: this rank's :class:`~hetero_plugins.telemetry.StepTimer`.
+
+    Example::
+
+        hvd.init()
+        sampler = hh.HeteroBatchSampler(len(train_set), batch_size=32, seed=0)
+        loader = DataLoader(train_set, batch_sampler=sampler)
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        locality: bool = False,
+        allocator: str | Allocator = "equal_finish",
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        min_gain: float = 0.03,
+        half_life: float = 12.0,
+        exchange: str = "auto",
+    ) -> None:
+        self.num_samples = check_int("num_samples", num_samples, minimum=1)
+        self.local_batch_size = check_int("batch_size", batch_size, minimum=1, hint="the per-rank batch size at the start")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.locality = bool(locality)
+        self._planner_kwargs = dict(
+            allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+            min_gain=min_gain, half_life=half_life,
+        )
+        self.exchange = get_exchange(exchange)
+        world = self.exchange.size()
+        self.global_batch = self.local_batch_size * world
+        if self.global_batch > num_samples:
+            raise ValueError(
+                f"`batch_size`={batch_size} x {world} ranks = {self.global_batch} exceeds the dataset's "
+                f"{num_samples} samples. HINT: use batch_size <= {max(1, num_samples // world)}."
+            )
+        self.planner = self._new_planner(world)
+        self.timer = StepTimer()
+        self._epoch = 0
+        self._steps_done = 0
+        self._order: np.ndarray | None = None  # None: the whole epoch; else the remainder being resumed
+        self._seg_plan: tuple[int, ...] = tuple(self.planner.plan)
+        self._exhausted = False
+        self._cache: tuple[Any, list[np.ndarray], EpochLayout] | None = None
+        self._open = False
+        self._pending: collections.deque[int] = collections.deque()
+        self._epoch_start: float | None = None
+        self._epoch_end: float | None = None
+        self._warned: set[str] = set()
+        _register_elastic_handler()
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def plan(self) -> list[int]:
+        """Per-rank batch sizes of the current epoch (segment), global-rank order."""
+        return list(self._seg_plan)
+
+    @property
+    def rank(self) -> int:
+        return self.exchange.rank()
+
+    @property
+    def world_size(self) -> int:
+        return len(self._seg_plan)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def steps_done(self) -> int:
+        """Steps of the current epoch (segment) whose backward pass completed."""
+        return self._steps_done
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's local batch size under the current plan."""
+        return self._seg_plan[self.rank]
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        """One dict per observed epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`)."""
+        return list(self.planner.history)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` under the plan made from the last epoch's timings. Collective.
+
+        Every rank must call it before iterating the loader. Calling it again for the epoch in progress
+        (as an elastic ``train`` function does after a reset) resumes that epoch where it stopped.
+        """
+        epoch = check_int("epoch", epoch, minimum=0)
+        self._reconcile_world()
+        started = self._steps_done > 0 or self._order is not None
+        if epoch == self._epoch and started and not self._exhausted:
+            return  # resuming the interrupted epoch (elastic reset): its plan and progress stay
+        self._plan_from_records()
+        self._epoch = epoch
+        self._start_segment(None)
+
+    def step_counts(self, step: int) -> tuple[int, ...]:
+        """All ranks' sample counts of step ``step`` of the current epoch (segment)."""
+        return self._segment()[2].step_counts(step)
+
+    def current_weight(self) -> float:
+        """This rank's share b_i / B of the samples of the step in progress (1 / world size past the end)."""
+        layout = self._segment()[2]
+        if self._steps_done >= layout.steps:
+            self._warn_once("past-end", "HeteroBatchSampler: more backward passes than batches this epoch; "
+                            "weighting them equally. HINT: call sampler.set_epoch(epoch) every epoch.")
+            return 1.0 / self.world_size
+        counts = layout.step_counts(self._steps_done)
+        return counts[self.rank] / sum(counts)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._reconcile_world()
+        if self._exhausted:
+            self._warn_once("no-set-epoch", "HeteroBatchSampler: iterated again without set_epoch(); repeating "
+                            "the epoch under the same plan. HINT: call sampler.set_epoch(epoch) every epoch.")
+            self._start_segment(self._order)
+        shards, layout = self._segment()[1], self._segment()[2]
+        rank = self.rank
+        shard = shards[rank]
+        self._open = False
+        self._pending.clear()
+        self.timer.reset_data_clock()
+        start = sum(layout.step_counts(s)[rank] for s in range(min(self._steps_done, layout.steps)))
+        for step in range(self._steps_done, layout.steps):
+            b = layout.step_counts(step)[rank]
+            self._on_yield(b)
+            yield shard[start : start + b].tolist()
+            start += b
+        self._exhausted = True
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch (segment); equal on every rank."""
+        return max(0, self._segment()[2].steps - (0 if self._exhausted else self._steps_done))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, progress and planner: what ``hvd.elastic.TorchState`` commits and a checkpoint keeps."""
+        return {
+            "epoch": self._epoch,
+            "steps_done": self._steps_done,
+            "order": None if self._order is None else self._order.tolist(),
+            "seg_plan": list(self._seg_plan),
+            "planner": self.planner.state_dict(),
+            "num_samples": self.num_samples,
+            "global_batch": self.global_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a different world size re-splits the epoch's unprocessed samples."""
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"the sampler state is for num_samples={state['num_samples']}, but this sampler has "
+                f"num_samples={self.num_samples}. HINT: restore into a sampler built on the same dataset."
+            )
+        # The global batch is the run's constant (set where the job started); a worker that joins later
+        # computed its own from the world size it saw, so it adopts the committed one.
+        self.global_batch = int(state["global_batch"])
+        saved_planner = state["planner"]
+        self.planner = self._new_planner(int(saved_planner["world_size"]))
+        self.planner.load_state_dict(saved_planner)
+        self._epoch = int(state["epoch"])
+        self._steps_done = int(state["steps_done"])
+        self._order = None if state["order"] is None else np.asarray(state["order"], dtype=np.int64)
+        self._seg_plan = tuple(int(b) for b in state["seg_plan"])
+        self._cache = None
+        self._exhausted = False
+        self._open = False
+        self._pending.clear()
+        self.timer.pop_records()  # timings of rolled-back or other-world steps would mislead the planner
+        self._epoch_start = self._epoch_end = None
+        try:
+            self._reconcile_world()
+        except ValueError:  # Horovod is between shutdown and init (elastic restore); done at sync/set_epoch
+            pass
+
+    # ------------------------------------------------------------------ hooks for DistributedOptimizer
+    def _on_yield(self, batch_size: int) -> None:
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
+        if self._open:
+            self._pending.append(batch_size)  # a DataLoader with workers draws batches ahead
+        else:
+            self.timer.start_step(batch_size)
+            self._open = True
+
+    def _on_backward_end(self) -> None:
+        self.timer.mark_backward_end()
+        self._steps_done += 1
+
+    def _on_step_end(self) -> None:
+        if self._open:
+            self.timer.end_step()
+            self._epoch_end = time.perf_counter()
+            self._open = False
+        if self._pending:
+            self.timer.start_step(self._pending.popleft())
+            self._open = True
+
+    # ------------------------------------------------------------------ internals
+    def _new_planner(self, world: int) -> BalancePlanner:
+        if self.global_batch < world:
+            raise ValueError(
+                f"the global batch {self.global_batch} cannot give each of {world} ranks a sample. "
+                "HINT: start with a larger batch_size or use fewer workers (--max-np)."
+            )
+        return BalancePlanner(world_size=world, global_batch=self.global_batch, **self._planner_kwargs)
+
+    def _segment(self) -> tuple[Any, list[np.ndarray], EpochLayout]:
+        key = (self._epoch, self._seg_plan, None if self._order is None else id(self._order))
+        if self._cache is None or self._cache[0] != key:
+            layout = segment_layout(self.num_samples, self._seg_plan, self._order, self.drop_last)
+            shards = segment_shards(
+                self.num_samples, self._seg_plan, self._order, self._epoch, self.seed, self.shuffle,
+                self.drop_last, self.locality,
+            )
+            self._cache = (key, shards, layout)
+        return self._cache
+
+    def _start_segment(self, order: np.ndarray | None) -> None:
+        self._order = order
+        self._seg_plan = tuple(self.planner.plan)
+        self._steps_done = 0
+        self._exhausted = False
+        self._cache = None
+
+    def _reconcile_world(self) -> None:
+        """After an elastic reset to another world size: re-split the unprocessed samples, new plan."""
+        world = self.exchange.size()
+        if world == len(self._seg_plan):
+            return
+        _, shards, layout = self._segment()
+        remaining = unprocessed_indices(shards, layout, min(self._steps_done, layout.steps))
+        history = list(self.planner.history)
+        old = list(self._seg_plan)
+        self.planner = self._new_planner(world)
+        self.planner.history = history
+        log.info("HeteroBatchSampler: world size %d -> %d; %d samples of epoch %d left, plan %s -> %s",
+                 len(old), world, len(remaining), self._epoch, old, self.planner.plan)
+        self.timer.pop_records()
+        self._start_segment(remaining)
+
+    def _plan_from_records(self) -> None:
+        """All-gather last epoch's step records, plan on every rank, broadcast rank 0's plan."""
+        records = np.array([r.as_tuple() for r in self.timer.pop_records()], dtype=np.float64).reshape(-1, 3)
+        elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
+        self._epoch_start = self._epoch_end = None
+        world = self.exchange.size()
+        headers = self.exchange.allgather(np.array([len(records), elapsed]), name="hetero_plugins.header")
+        steps = int(headers[:, 0].min())
+        if steps == 0:
+            if headers[:, 0].max() > 0:
+                self._warn_once("uneven", "HeteroBatchSampler: some ranks recorded no steps; plan unchanged.")
+            return
+        mine = records[-steps:]  # equal on all ranks; the tail if a rank saw more
+        gathered = self.exchange.allgather(mine, name="hetero_plugins.records").reshape(world, steps, 3)
+        entry = self.planner.end_epoch(self._epoch, gathered, epoch_time=float(headers[:, 1].max()))
+        plan = self.exchange.broadcast_object(list(self.planner.plan), name="hetero_plugins.plan")
+        self.planner.plan = [int(b) for b in plan]
+        entry["next_batch_sizes"] = list(self.planner.plan)
+        if self.exchange.rank() == 0:
+            log.info("HeteroBatchSampler: epoch %d batch sizes %s straggler level %.3f; next %s",
+                     entry["epoch"], entry["batch_sizes"], entry["straggler_level"], entry["next_batch_sizes"])
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+_ELASTIC_REGISTERED = False
+
+
+def _register_elastic_handler() -> None:
+    """Let ``hvd.elastic.TorchState`` commit, restore and sync a :class:`HeteroBatchSampler` (idempotent)."""
+    global _ELASTIC_REGISTERED
+    if _ELASTIC_REGISTERED:
+        return
+    try:
+        from horovod.torch.elastic import state as elastic_state
+    except ImportError:  # pragma: no cover - Horovod without elastic support
+        return
+    registry = elastic_state.get_handler_registry()
+    if not any(t is HeteroBatchSampler for t, _ in registry):
+        # Horovod's SamplerStateHandler deep-copies state_dict() on commit, loads it on restore, and
+        # broadcasts rank 0's on sync; load_state_dict re-splits the epoch for a new world size.
+        elastic_state.set_handler_registry([(HeteroBatchSampler, elastic_state.SamplerStateHandler), *registry])
+    _ELASTIC_REGISTERED = True
+
+
+# ------------------------------------------------------------------------------------- gradient weighting
+class GradientWeighting:
+    """Scales every parameter's incoming gradient by this rank's share of the step and time-stamps it.
+
+    Registered as tensor hooks, which run before the gradient is accumulated into ``.grad`` and before
+    Horovod's own hook launches the all-reduce, so each backward pass (also each accumulated micro-batch)
+    contributes ``weight * grad``; summed over ranks (``op=hvd.Sum``) this is sum_i (b_i / B) g_i.
+
+    Args:
+        params: the parameters whose gradients are weighted.
+        timer: notified (``mark_gradients_ready``) at every gradient; the last one of a step counts.
+        weight_fn: called at the first gradient of each backward pass for the weight (else :meth:`set_weight`).
+        on_backward_end: called once at the end of each backward pass.
+
+    Example::
+
+        >>> p = torch.ones(2, requires_grad=True)
+        >>> w = GradientWeighting([p]); w.set_weight(0.25)
+        >>> (3 * p).sum().backward(); p.grad.tolist()
+        [0.75, 0.75]
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        timer: StepTimer | None = None,
+        weight_fn: Any = None,
+        on_backward_end: Any = None,
+    ) -> None:
+        self.weight = 1.0
+        self.timer = timer
+        self.weight_fn = weight_fn
+        self.on_backward_end = on_backward_end
+        self._in_backward = False
+        self._handles = [p.register_hook(self._hook) for p in params if p.requires_grad]
+
+    def set_weight(self, weight: float) -> None:
+        """This rank's share b_i / B of the coming backward pass's samples (``BatchBalancer`` calls it)."""
+        self.weight = float(weight)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._in_backward:
+            self._in_backward = True
+            if self.weight_fn is not None:
+                self.weight = float(self.weight_fn())
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if self.timer is not None:
+            self.timer.mark_gradients_ready()
+        return grad * self.weight
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
+
+def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    batch_sampler: HeteroBatchSampler | None = None,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    backward_passes_per_step: int = 1,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    """Drop-in for ``hvd.DistributedOptimizer`` that sums sample-weighted gradients and times each step.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: as for Horovod (``model.named_parameters()``).
+        batch_sampler: the :class:`HeteroBatchSampler` feeding this rank; required.
+        op: ``None`` or ``hvd.Sum``; the weighting needs a sum (``hvd.Average`` and ``hvd.Adasum`` are
+            rejected).
+        gradient_predivide_factor: must stay 1.0 (Horovod allows it with ``op=hvd.Average`` only).
+        backward_passes_per_step: accumulate this many backward passes (each weighted by its own step's
+            shares; divide the loss by it as with stock Horovod) before reducing.
+        **kwargs: passed to ``hvd.DistributedOptimizer`` (``compression``, ``groups``, ``sparse_as_dense``,
+            ``process_set``...).
+
+    Returns:
+        Horovod's distributed optimizer, whose ``step`` also reports the step's end to the sampler.
+
+    Example::
+
+        optimizer = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                            named_parameters=model.named_parameters(), batch_sampler=sampler)
+    """
+    hvd = _hvd()
+    if not isinstance(batch_sampler, HeteroBatchSampler):
+        raise ValueError(
+            f"`batch_sampler` must be the hetero_plugins.horovod.HeteroBatchSampler that feeds this rank, got "
+            f"{batch_sampler!r}. HINT: DistributedOptimizer(opt, named_parameters=..., batch_sampler=sampler)."
+        )
+    if op is not None and op != hvd.Sum:
+        raise ValueError(
+            f"`op`={op!r} cannot weight per-rank batch sizes: each rank's gradient is scaled by its share of "
+            "the global batch and the ranks must be summed. HINT: leave `op` unset (or pass hvd.Sum)."
+        )
+    if gradient_predivide_factor != 1.0:
+        raise ValueError(
+            f"`gradient_predivide_factor`={gradient_predivide_factor} only applies to op=hvd.Average, which "
+            "per-rank batch sizes cannot use. HINT: drop it; gradients are weighted by b_i / B instead."
+        )
+    check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    dist_opt = hvd.DistributedOptimizer(
+        optimizer, named_parameters=named_parameters, op=hvd.Sum,
+        backward_passes_per_step=backward_passes_per_step, **kwargs,
+    )
+    sampler = batch_sampler
+    passes = [0]
+
+    def backward_end() -> None:
+        sampler._on_backward_end()
+        passes[0] += 1
+        if passes[0] < dist_opt.backward_passes_per_step:
+            sampler._on_step_end()  # an accumulated micro-batch: no collective waits before the next
+
+    params = [p for group in dist_opt.param_groups for p in group["params"]]
+    weighting = GradientWeighting(params, timer=sampler.timer, weight_fn=sampler.current_weight,
+                                  on_backward_end=backward_end)
+    horovod_step = dist_opt.step
+
+    def step(closure: Any = None) -> Any:
+        out = horovod_step(closure)
+        passes[0] = 0
+        sampler._on_step_end()
+        return out
+
+    dist_opt.step = step  # type: ignore[method-assign]
+    dist_opt.hetero_weighting = weighting  # type: ignore[attr-defined]
+    dist_opt.hetero_sampler = sampler  # type: ignore[attr-defined]
+    return dist_opt

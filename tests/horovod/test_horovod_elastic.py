@@ -1,0 +1,114 @@
+"""Elastic Horovod: a worker killed mid-epoch and workers added; no sample lost or repeated.
+
+The job runs on localhost under several host names that all resolve to this machine (``localhost``,
+``127.0.0.1``, the host name and its address), one slot each: Horovod blacklists the host of a failed
+worker, so a single ``localhost:N`` would lose every slot with the first failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import sys
+
+import numpy as np
+import pytest
+
+from hetero_plugins.horovod import resplit_unprocessed, segment_layout, segment_shards, unprocessed_indices
+from hetero_plugins.partition import epoch_layout
+from tests.horovod.conftest import SCRIPTS
+
+
+def _local_names() -> list[str]:
+    """Distinct names of this machine that Horovod treats as local (they resolve to a local address)."""
+    import psutil
+
+    addrs = [a.address for infos in psutil.net_if_addrs().values() for a in infos if a.family == socket.AF_INET]
+    names = ["localhost", "127.0.0.1", socket.gethostname(), *sorted(a for a in addrs if a != "127.0.0.1")]
+    out: list[str] = []
+    for n in names:
+        try:
+            local = socket.gethostbyname(n) in addrs
+        except OSError:
+            local = False
+        if local and n not in out:
+            out.append(n)
+    return out
+
+
+@pytest.mark.horovod
+def test_elastic_kill_and_add_worker(horovodrun, tmp_path):
+    names = _local_names()
+    if len(names) < 3:
+        pytest.fail(f"the elastic test needs 3 distinct local host names, found {names}")
+    added = names[2:4]  # one or two workers join at epoch 2
+    (tmp_path / "hosts").write_text(f"{names[0]}:1\n{names[1]}:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    discover.chmod(0o755)
+    horovodrun(
+        ["-np", "2", "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(discover),
+         "--elastic-timeout", "60", "--gloo", sys.executable, str(SCRIPTS / "elastic_check.py"), str(tmp_path),
+         ",".join(f"{n}:1" for n in added)],
+        timeout=200, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"},
+    )
+    steps, done = [], []
+    for f in tmp_path.glob("log-*.jsonl"):
+        for line in f.read_text().splitlines():
+            d = json.loads(line)
+            (done if d.get("done") else steps).append(d)
+    assert (tmp_path / "killed").exists() and (tmp_path / "grown").exists()
+    for epoch in range(4):
+        idx = [i for d in steps if d["epoch"] == epoch for i in d["indices"]]
+        counts = collections.Counter(idx)
+        repeated = sorted(i for i, c in counts.items() if c > 1)
+        lost = sorted(set(range(240)) - set(idx))
+        assert not repeated and not lost, f"epoch {epoch}: repeated {repeated[:10]}, lost {lost[:10]}"
+        for d in steps:
+            if d["epoch"] == epoch:
+                assert sum(d["plan"]) == 8 and len(d["plan"]) == d["world"], d
+    worlds = {(d["epoch"], d["world"]) for d in steps}
+    assert (1, 2) in worlds and (1, 1) in worlds, f"the kill in epoch 1 did not shrink the job: {sorted(worlds)}"
+    grown = 1 + len(added)
+    assert any(w == grown for _, w in worlds), f"the job never grew to {grown} workers: {sorted(worlds)}"
+    assert len(done) == grown and all(d["world"] == grown for d in done), done
+
+
+# ------------------------------------------------------------------ the re-split logic, one process
+@pytest.mark.parametrize("n,plan,steps_done,new_plan", [
+    (100, [3, 5], 4, [8]),
+    (100, [3, 5], 0, [2, 3, 3]),
+    (101, [6, 2], 7, [1, 1, 1, 5]),
+    (97, [4, 4], 12, [5, 3]),       # the last (short) step done: nothing left
+    (50, [7, 1], 5, [4, 4]),
+])
+def test_resplit_loses_and_repeats_nothing(n, plan, steps_done, new_plan):
+    layout = segment_layout(n, plan, None, drop_last=False)
+    shards = segment_shards(n, plan, epoch=3, seed=5)
+    done = set()
+    for r, shard in enumerate(shards):
+        k = sum(layout.step_counts(s)[r] for s in range(steps_done))
+        done.update(shard[:k].tolist())
+    new = resplit_unprocessed(shards, layout, steps_done, new_plan)
+    assert len(new) == len(new_plan)
+    rest = np.concatenate(new).tolist()
+    new_layout = segment_layout(0, new_plan, unprocessed_indices(shards, layout, steps_done), False)
+    assert len(rest) == sum(new_layout.shard_sizes())
+    unique = set(rest)
+    assert not unique & done, "a processed sample was handed out again"
+    assert unique | done == set(range(n)), "a sample was lost"
+    if new_layout.padding == 0:
+        assert len(rest) == len(unique), "a sample was handed out twice"
+
+
+def test_resplit_twice_and_validation():
+    layout = epoch_layout(64, [4, 4])
+    shards = segment_shards(64, [4, 4], seed=1)
+    first = unprocessed_indices(shards, layout, 3)          # 24 done, 40 left
+    l2 = segment_layout(0, [2, 3, 3], first, False)
+    s2 = segment_shards(0, [2, 3, 3], order=first)
+    second = unprocessed_indices(s2, l2, 2)                  # 16 more done
+    assert len(first) == 40 and len(second) == 24 and not set(second) - set(first.tolist())
+    with pytest.raises(ValueError, match="steps_done"):
+        unprocessed_indices(shards, layout, layout.steps + 1)
