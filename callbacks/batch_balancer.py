@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from hetero_plugins._validation import check_float
+from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.callbacks.straggler_monitor import _gather, gather_records
@@ -62,6 +62,10 @@ class BatchBalancer(Callback):
         balance_eval: give validation/test/predict loaders per-rank batch sizes too (strategy only).
         memory_headroom: fraction of GPU memory the memory cap allows a rank to use.
         log_metrics: log ``hetero/*`` metrics through the LightningModule's logger.
+        replan_every: within an epoch, every this many steps the ranks exchange their latest step times and
+            rank 0 may change the plan for the rest of the epoch (a rank that slows down is rebalanced within
+            about ten steps; the step unions stay those of the epoch's order). Needs the strategy (or a
+            user-supplied ``HeteroBatchSampler``) and ``locality=False``; ``None`` plans at epoch ends only.
 
     Attributes:
         batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
@@ -77,11 +81,12 @@ class BatchBalancer(Callback):
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
-        half_life: float = 12.0,
+        half_life: float = 6.0,
         locality: bool = False,
         balance_eval: bool = True,
         memory_headroom: float = 0.9,
         log_metrics: bool = True,
+        replan_every: int | None = 5,
     ) -> None:
         # Validate every option now, in the launching process, before any rank starts.
         probe = BalancePlanner(
@@ -98,12 +103,19 @@ class BatchBalancer(Callback):
         self.balance_eval = bool(balance_eval)
         self.memory_headroom = check_float("memory_headroom", memory_headroom, minimum=0.0, maximum=1.0, strict_minimum=True)
         self.log_metrics = bool(log_metrics)
+        if replan_every is not None:
+            check_int("replan_every", replan_every, minimum=1, hint="use None to replan only at epoch ends")
+        self.replan_every = replan_every
+        self._cursor = 0
+        self._epoch_parts: list[np.ndarray] = []
+        self._plan_changes: list[dict[str, Any]] = []
+        self._start_plan: list[int] | None = None
         self.planner: BalancePlanner | None = None
         self.timer = StepTimer()
         self._hook_state: WeightedAllreduceState | None = None
         self._external_weighting: Any = None
         self._pending_state: dict[str, Any] | None = None
-        self._train_sampler: HeteroDistributedSampler | None = None
+        self._train_sampler: HeteroDistributedSampler | HeteroBatchSampler | None = None
         self._epoch_start: float | None = None
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
@@ -161,15 +173,23 @@ class BatchBalancer(Callback):
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._ensure_planner(trainer)
+        planner = self._ensure_planner(trainer)
         dl = trainer.train_dataloader
-        if isinstance(dl, DataLoader) and trainer.current_epoch > 0:
+        own = self._own_batch_sampler(trainer)
+        if own is not None and planner is not None:
+            own.set_plan(planner.plan)  # the next epoch's plan, from step 0
+            own.set_epoch(trainer.current_epoch)
+        elif isinstance(dl, DataLoader) and trainer.current_epoch > 0:
             self._install(dl, trainer, train=True)
             if self._train_sampler is not None:
                 self._train_sampler.set_epoch(trainer.current_epoch)
         self.timer.pop_records()
         self.timer.reset_data_clock()
         self._epoch_start = self._epoch_end = None
+        self._cursor = 0
+        self._epoch_parts = []
+        self._plan_changes = []
+        self._start_plan = None if planner is None else list(planner.plan)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         counts = self._step_counts(trainer, batch_idx)
@@ -193,22 +213,67 @@ class BatchBalancer(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.timer.end_step()
         self._epoch_end = time.perf_counter()
+        own = self._own_batch_sampler(trainer)
+        if own is None or not self.replan_every or self.planner is None or own.sampler.locality:
+            return
+        done = batch_idx + 1
+        # Batches already drawn by the loader (Lightning prefetches one; workers prefetch more) keep their
+        # plan: a change applies from the first step no rank has drawn yet. Every input to this decision is
+        # the same on every rank, so all ranks enter the collectives below together.
+        dl = trainer.train_dataloader
+        lookahead = 2 + (dl.num_workers * (dl.prefetch_factor or 2) if dl.num_workers else 0)
+        if done % self.replan_every or done + lookahead >= len(own):
+            return
+        fresh = self._gather_new_records(trainer)
+        self.planner.replan(fresh)
+        plan = [int(b) for b in trainer.strategy.broadcast(list(self.planner.plan), src=0)]
+        self.planner.plan = plan
+        if tuple(plan) != tuple(own.plan):
+            own.set_plan(plan, from_step=done + lookahead)
+            self._plan_changes.append({"step": done + lookahead, "batch_sizes": plan})
+            if trainer.is_global_zero:
+                log.info(f"BatchBalancer: epoch {trainer.current_epoch} step {done + lookahead}: new plan {plan}")
+
+    def _gather_new_records(self, trainer: pl.Trainer) -> np.ndarray:
+        """All ranks' step records since the last exchange, shape (world, steps, 3); kept for the epoch."""
+        new = self.timer.records[self._cursor :]
+        self._cursor += len(new)
+        local = np.array([r.as_tuple() for r in new], dtype=np.float64).reshape(-1, 3)
+        gathered, _ = gather_records(trainer.strategy, local)
+        self._epoch_parts.append(gathered)
+        return gathered
+
+    def _own_batch_sampler(self, trainer: pl.Trainer) -> HeteroBatchSampler | None:
+        """The train loader's ``HeteroBatchSampler`` (installed by the strategy or passed by the user)."""
+        dl = trainer.train_dataloader
+        bs = dl.batch_sampler if isinstance(dl, DataLoader) else None
+        return bs if isinstance(bs, HeteroBatchSampler) else None
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         planner = self._ensure_planner(trainer)
         if planner is None:
             return
         strategy = trainer.strategy
-        records = np.array([r.as_tuple() for r in self.timer.pop_records()], dtype=np.float64).reshape(-1, 3)
+        new = self.timer.records[self._cursor :]
+        self.timer.pop_records()
+        records = np.array([r.as_tuple() for r in new], dtype=np.float64).reshape(-1, 3)
         elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
         cap = self._local_memory_cap(trainer)
         stats = self._monitor(trainer).read()
         # Steps per rank are equal under DDP, but pad defensively so the gather never mismatches.
         gathered, elapsed_all = gather_records(strategy, records, extra=elapsed)
+        observed = sum(p.shape[1] for p in self._epoch_parts)
+        if self._epoch_parts:
+            gathered = np.concatenate(self._epoch_parts + [gathered], axis=1)
         local = [float(cap)] + [float(stats.get(k, -1.0)) for k in ("cpu_percent", "gpu_util", "gpu_mem_used")]
         table = _gather(strategy, torch.tensor(local, dtype=torch.float64)).reshape(-1, 4).tolist()
         caps = [None if row[0] < 0 else int(row[0]) for row in table]
-        entry = planner.end_epoch(trainer.current_epoch, gathered, epoch_time=float(elapsed_all.max()), memory_caps=caps)
+        entry = planner.end_epoch(
+            trainer.current_epoch, gathered, epoch_time=float(elapsed_all.max()), memory_caps=caps,
+            observed_steps=observed, start_plan=self._start_plan,
+        )
+        entry["plan_changes"] = list(self._plan_changes)
+        self._epoch_parts, self._cursor = [], 0
         plan = strategy.broadcast(list(planner.plan), src=0)
         planner.plan = [int(b) for b in plan]
         entry["next_batch_sizes"] = list(planner.plan)
@@ -246,12 +311,32 @@ class BatchBalancer(Callback):
             return dataloader
         stage = trainer.state.stage
         if stage == RunningStage.TRAINING:
-            self._install(dataloader, trainer, train=True)
+            return self._train_loader(dataloader, trainer)
         elif stage == RunningStage.PREDICTING and self.balance_eval:
             return self._predict_loader(dataloader, trainer)
         elif self.balance_eval and stage is not None:
             self._install(dataloader, trainer, train=False)
         return dataloader
+
+    def _train_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:
+        """The train loader with a :class:`HeteroBatchSampler` in place of Lightning's ``DistributedSampler``:
+        same dataset, seed, shuffling and ``drop_last``; batches drawn step by step, so plans can change
+        mid-epoch."""
+        bs = dl.batch_sampler
+        if type(bs) is not BatchSampler or type(bs.sampler) is not DistributedSampler:
+            self._install(dl, trainer, train=True)  # a user HeteroBatchSampler, or a warning
+            return dl
+        inner = bs.sampler
+        planner = self._ensure_planner(trainer, dl)
+        if planner is None:
+            return dl
+        hb = HeteroBatchSampler(
+            len(inner.dataset), planner.plan, trainer.global_rank, shuffle=inner.shuffle, seed=inner.seed,  # type: ignore[arg-type]
+            drop_last=bool(inner.drop_last or bs.drop_last), locality=self.locality,
+        )
+        hb.set_epoch(trainer.current_epoch)
+        self._train_sampler = hb  # type: ignore[assignment]
+        return _loader_like(dl, hb)
 
     def _predict_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:
         """A loader over this rank's contiguous slice of the prediction order, in batches of its planned size.
@@ -270,17 +355,7 @@ class BatchBalancer(Callback):
         order = [int(positions[p]) for p in range(len(positions))]  # type: ignore[arg-type]
         plan = self._plan_for(trainer, False, len(order), local, trainer.world_size)
         self._predict_ordered = True
-        return DataLoader(
-            dl.dataset,
-            batch_sampler=HeteroInferenceBatchSampler(order, plan, trainer.global_rank),
-            num_workers=dl.num_workers,
-            collate_fn=dl.collate_fn,
-            pin_memory=dl.pin_memory,
-            timeout=dl.timeout,
-            worker_init_fn=dl.worker_init_fn,
-            multiprocessing_context=dl.multiprocessing_context,
-            persistent_workers=dl.persistent_workers,
-        )
+        return _loader_like(dl, HeteroInferenceBatchSampler(order, plan, trainer.global_rank))
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank's predictions, concatenated in rank order, which is dataset order (see ``_predict_loader``)."""
@@ -367,11 +442,14 @@ class BatchBalancer(Callback):
         else:
             local = sampler.batch_size if local_batch is None else int(local_batch)
             plan = self._plan_for(trainer, train, sampler.num_samples, local, world, current=sampler.plan, dl=dl)
-            sampler.set_plan(plan)
+            if isinstance(bs, HeteroBatchSampler):
+                bs.set_plan(plan)
+            else:
+                sampler.set_plan(plan)
         if isinstance(bs, BatchSampler):
             bs.batch_size = plan[rank]
         if train:
-            self._train_sampler = sampler
+            self._train_sampler = bs if isinstance(bs, HeteroBatchSampler) else sampler  # type: ignore[assignment]
         return True
 
     def _plan_for(
@@ -392,7 +470,9 @@ class BatchBalancer(Callback):
     def _step_counts(self, trainer: pl.Trainer, batch_idx: int) -> tuple[int, ...] | None:
         s = self._train_sampler
         dl = trainer.train_dataloader
-        if s is None or not isinstance(dl, DataLoader) or getattr(dl.batch_sampler, "sampler", None) is not s:
+        if s is None or not isinstance(dl, DataLoader):
+            return None
+        if dl.batch_sampler is not s and getattr(dl.batch_sampler, "sampler", None) is not s:
             return None
         try:
             return s.step_counts(batch_idx)
@@ -426,3 +506,20 @@ class BatchBalancer(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
+
+
+def _loader_like(dl: DataLoader, batch_sampler: Any) -> DataLoader:
+    """A ``DataLoader`` over ``dl``'s dataset with ``dl``'s loading options and another batch sampler."""
+    return DataLoader(
+        dl.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=dl.num_workers,
+        collate_fn=dl.collate_fn,
+        pin_memory=dl.pin_memory,
+        timeout=dl.timeout,
+        worker_init_fn=dl.worker_init_fn,
+        multiprocessing_context=dl.multiprocessing_context,
+        prefetch_factor=dl.prefetch_factor,
+        persistent_workers=dl.persistent_workers,
+        generator=dl.generator,
+    )

@@ -339,8 +339,11 @@ ALLOCATORS: dict[str, type[Allocator]] = {
 
 
 def get_allocator(name: str | Allocator) -> Allocator:
-    """An allocator instance from its registered name (``static``, ``proportional``, ``equal_finish``, ``lbb``)."""
+    """An allocator instance from its registered name (``static``, ``proportional``, ``equal_finish``, ``lbb``,
+    and the learned ``dqn`` / ``auto`` of :mod:`hetero_plugins.scheduler`)."""
     if isinstance(name, Allocator):
         return name
+    if name not in ALLOCATORS:  # the learned "dqn" / "auto" register themselves on import (issue 4)
+        import hetero_plugins.scheduler.policy  # noqa: F401
     check_choice("allocator", name, list(ALLOCATORS))
     return ALLOCATORS[name]()

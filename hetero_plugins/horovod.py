@@ -311,7 +311,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
-        half_life: float = 12.0,
+        half_life: float = 6.0,
         exchange: str = "auto",
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)

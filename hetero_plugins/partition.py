@@ -25,7 +25,7 @@ import torch
 
 from hetero_plugins._validation import check_int
 
-__all__ = ["EpochLayout", "contiguous_split", "epoch_layout", "epoch_shards", "split_remainder"]
+__all__ = ["EpochLayout", "contiguous_split", "ddp_order", "epoch_layout", "epoch_shards", "split_remainder"]
 
 
 def split_remainder(remainder: int, plan: Sequence[int]) -> list[int]:
@@ -117,6 +117,19 @@ def _padded(order: np.ndarray, padding: int) -> np.ndarray:
     return np.concatenate([order, np.resize(order, padding)]) if padding else order
 
 
+def ddp_order(num_samples: int, padding: int, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> np.ndarray:
+    """An epoch's sample order exactly as ``DistributedSampler`` draws it (``torch.randperm`` seeded with
+    ``seed + epoch``), padded with ``padding`` samples from its start. Step k's global batch is the k-th
+    slice of ``sum(plan)`` indices of it."""
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        base = torch.randperm(num_samples, generator=g).numpy()
+    else:
+        base = np.arange(num_samples)
+    return _padded(base.astype(np.int64), padding)
+
+
 def epoch_shards(
     num_samples: int,
     plan: Sequence[int],
@@ -158,13 +171,7 @@ def epoch_shards(
                 np.random.default_rng([seed, epoch, r]).shuffle(shard)
             shards.append(shard)
         return shards
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        base = torch.randperm(num_samples, generator=g).numpy()
-    else:
-        base = np.arange(num_samples)
-    order = _padded(base.astype(np.int64), layout.padding)
+    order = ddp_order(num_samples, layout.padding, epoch, seed, shuffle)
     global_batch = offsets[-1]
     full = order[: layout.full_steps * global_batch].reshape(layout.full_steps, global_batch)
     last = order[layout.full_steps * global_batch :]

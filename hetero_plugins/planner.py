@@ -42,7 +42,7 @@ class BalancePlanner:
             passed to :meth:`end_epoch` tighten it.
         min_gain: relative predicted speed-up a new plan needs before it is adopted.
         half_life: forgetting of the time models, in observed steps.
-        warmup_steps: steps at the start of the first observed epoch that are ignored (lazy initialisation).
+        warmup_steps: first observed steps of the run that are ignored (lazy initialisation).
         initial_plan: the plan of the first epoch; default an equal split.
 
     Example::
@@ -64,7 +64,7 @@ class BalancePlanner:
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
-        half_life: float = 12.0,
+        half_life: float = 6.0,
         warmup_steps: int = 1,
         initial_plan: Sequence[int] | None = None,
     ) -> None:
@@ -88,7 +88,7 @@ class BalancePlanner:
             self.plan = self._checked_plan(initial_plan)
         self.history: list[dict[str, Any]] = []
         self._predicted_step_time: float | None = None
-        self._epochs_observed = 0
+        self._observed_steps = 0
 
     @property
     def bounds(self) -> Bounds:
@@ -116,16 +116,22 @@ class BalancePlanner:
         return max(p.predict(b) for p, b in zip(params, plan))
 
     def observe(self, records: np.ndarray) -> None:
-        """Feed an epoch's records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
+        """Feed step records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
         records = np.asarray(records, dtype=np.float64)
         if records.ndim != 3 or records.shape[0] != self.world_size or records.shape[2] < 2:
             raise ValueError(f"`records` must have shape (world_size={self.world_size}, steps, 3), got {records.shape}.")
-        skip = self.warmup_steps if self._epochs_observed == 0 else 0
+        skip = max(0, self.warmup_steps - self._observed_steps)
         for r in range(self.world_size):
             for b, t in records[r, skip:, :2]:
                 if b > 0:
                     self.models[r].observe(b, t)
-        self._epochs_observed += 1
+        self._observed_steps += records.shape[1]
+
+    def replan(self, records: np.ndarray | None = None) -> dict[str, Any]:
+        """Mid-epoch: learn from ``records`` (if given) and decide; no history entry is written."""
+        if records is not None and np.asarray(records).shape[1] > 0:
+            self.observe(records)
+        return self._decide()
 
     def end_epoch(
         self,
@@ -133,30 +139,41 @@ class BalancePlanner:
         records: np.ndarray,
         epoch_time: float | None = None,
         memory_caps: Sequence[int | None] | None = None,
+        observed_steps: int = 0,
+        start_plan: Sequence[int] | None = None,
     ) -> dict[str, Any]:
-        """Learn from an epoch, decide the next plan, and return this epoch's history entry."""
+        """Learn from an epoch, decide the next plan, and return this epoch's history entry.
+
+        Args:
+            records: the whole epoch's step records, shape ``(world_size, steps, 3)``.
+            epoch_time: measured training seconds of the epoch.
+            memory_caps: per-rank largest batch that fits in memory (``None`` entries: no cap).
+            observed_steps: leading steps already fed through :meth:`replan` during the epoch.
+            start_plan: the plan the epoch started with (default: the current plan).
+        """
         records = np.asarray(records, dtype=np.float64)
-        self.observe(records)
+        self.observe(records[:, observed_steps:])
         if memory_caps is not None:
             self.memory_caps = list(memory_caps)
-        used = list(self.plan)
-        per_rank_compute, per_rank_throughput = [], []
-        for r in range(self.world_size):
-            b, t = records[r, :, 0], records[r, :, 1]
-            full = (b == used[r]) & (b > 0)
-            sel = full if full.any() else b > 0
-            per_rank_compute.append(float(np.median(t[sel])) if sel.any() else float("nan"))
-            per_rank_throughput.append(float(b[sel].sum() / max(t[sel].sum(), 1e-12)) if sel.any() else 0.0)
+        used = list(start_plan) if start_plan is not None else list(self.plan)
+        b, t = records[:, :, 0], records[:, :, 1]
+        valid = (b > 0).all(axis=0)
+        levels = [straggler_level(t[:, k]) for k in np.flatnonzero(valid)]
+        idles = [idle_fraction(t[:, k]) for k in np.flatnonzero(valid)]
+        per_rank_compute = [float(np.median(t[r, valid])) if valid.any() else float("nan") for r in range(self.world_size)]
+        per_rank_throughput = [
+            float(b[r, valid].sum() / max(t[r, valid].sum(), 1e-12)) if valid.any() else 0.0
+            for r in range(self.world_size)
+        ]
         steps = int(records.shape[1])
-        samples = int(records[:, :, 0].sum())
-        valid = [t for t in per_rank_compute if math.isfinite(t)]
+        samples = int(b.sum())
         entry: dict[str, Any] = {
             "epoch": int(epoch),
             "batch_sizes": used,
             "throughput": per_rank_throughput,
             "compute_time": per_rank_compute,
-            "straggler_level": straggler_level(valid) if valid else 0.0,
-            "idle_fraction": idle_fraction(valid) if valid else 0.0,
+            "straggler_level": float(np.median(levels)) if levels else 0.0,
+            "idle_fraction": float(np.median(idles)) if idles else 0.0,
             "predicted_epoch_time": None if self._predicted_step_time is None else self._predicted_step_time * steps,
             "measured_epoch_time": None if epoch_time is None else float(epoch_time),
             "samples": samples,
@@ -189,7 +206,7 @@ class BalancePlanner:
             "memory_caps": list(self.memory_caps),
             "history": list(self.history),
             "predicted_step_time": self._predicted_step_time,
-            "epochs_observed": self._epochs_observed,
+            "observed_steps": self._observed_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -205,4 +222,4 @@ class BalancePlanner:
         self.memory_caps = list(state.get("memory_caps", [None] * self.world_size))
         self.history = list(state["history"])
         self._predicted_step_time = state.get("predicted_step_time")
-        self._epochs_observed = int(state.get("epochs_observed", 1))
+        self._observed_steps = int(state.get("observed_steps", self.warmup_steps))

@@ -7,7 +7,14 @@ from collections.abc import Iterator, Sequence
 from torch.utils.data import Sampler
 
 from hetero_plugins._validation import check_int
-from hetero_plugins.partition import EpochLayout, contiguous_split, epoch_layout, epoch_shards
+from hetero_plugins.partition import (
+    EpochLayout,
+    contiguous_split,
+    ddp_order,
+    epoch_layout,
+    epoch_shards,
+    split_remainder,
+)
 
 __all__ = ["HeteroBatchSampler", "HeteroDistributedSampler", "HeteroInferenceBatchSampler"]
 
@@ -106,10 +113,19 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     Pass it as ``DataLoader(dataset, batch_sampler=...)``. Same arguments as :class:`HeteroDistributedSampler`.
 
+    With the default layout (``locality=False``) every step's global batch is fixed by the epoch's order
+    alone, so the plan may change in the middle of an epoch without losing or repeating a sample:
+    ``set_plan(plan, from_step=k)`` applies from step k on. Batches are drawn lazily, step by step, so a
+    change reaches every step that the loader has not drawn yet (keep k beyond the loader's prefetch).
+
     Example::
 
-        >>> list(HeteroBatchSampler(10, plan=[3, 1], rank=0, shuffle=False))
-        [[0, 1, 2], [4, 5, 6], [8]]
+        >>> s = HeteroBatchSampler(12, plan=[3, 3], rank=0, shuffle=False)
+        >>> list(s)
+        [[0, 1, 2], [6, 7, 8]]
+        >>> s.set_plan([5, 1], from_step=1)
+        >>> list(s), s.step_counts(1)
+        ([[0, 1, 2], [6, 7, 8, 9, 10]], (5, 1))
     """
 
     def __init__(
@@ -121,28 +137,85 @@ class HeteroBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
         locality: bool = False,
+        pad_to_world_size: bool = True,
     ) -> None:
-        self.sampler = HeteroDistributedSampler(num_samples, plan, rank, shuffle, seed, drop_last, locality)
+        self.sampler = HeteroDistributedSampler(
+            num_samples, plan, rank, shuffle, seed, drop_last, locality, pad_to_world_size
+        )
+        self._changes: list[tuple[int, tuple[int, ...]]] = []
 
-    plan = property(lambda self: self.sampler.plan)
     rank = property(lambda self: self.sampler.rank)
     epoch = property(lambda self: self.sampler.epoch)
-    batch_size = property(lambda self: self.sampler.batch_size)
 
-    def set_plan(self, plan: Sequence[int]) -> None:
-        self.sampler.set_plan(plan)
+    @property
+    def plan(self) -> tuple[int, ...]:
+        """The plan of the epoch's last steps (the latest plan set)."""
+        return self._changes[-1][1] if self._changes else self.sampler.plan
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan[self.rank]
+
+    @property
+    def plan_changes(self) -> list[tuple[int, tuple[int, ...]]]:
+        """``(from_step, plan)`` changes made within the current epoch."""
+        return list(self._changes)
+
+    def set_plan(self, plan: Sequence[int], from_step: int | None = None) -> None:
+        """Adopt ``plan`` for the whole next epoch (``from_step=None``) or from step ``from_step`` of this one."""
+        if not from_step:
+            self.sampler.set_plan(plan)
+            self._changes = []
+            return
+        plan = tuple(int(b) for b in plan)
+        if self.sampler.locality:
+            raise ValueError("`from_step` needs locality=False: with locality=True a plan applies to whole epochs.")
+        if len(plan) != len(self.sampler.plan) or sum(plan) != sum(self.sampler.plan) or min(plan) < 1:
+            raise ValueError(
+                f"a mid-epoch plan must keep {len(self.sampler.plan)} ranks and the global batch "
+                f"{sum(self.sampler.plan)}, each rank >= 1; got {list(plan)}."
+            )
+        check_int("from_step", from_step, minimum=1)
+        self._changes = [c for c in self._changes if c[0] < from_step] + [(from_step, plan)]
 
     def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``; the latest plan becomes the whole epoch's plan."""
+        if self._changes:
+            self.sampler.set_plan(self._changes[-1][1])
+            self._changes = []
         self.sampler.set_epoch(epoch)
 
+    def plan_at(self, step: int) -> tuple[int, ...]:
+        plan = self.sampler.plan
+        for start, p in self._changes:
+            if start <= step:
+                plan = p
+        return plan
+
     def step_counts(self, step: int) -> tuple[int, ...]:
-        return self.sampler.step_counts(step)
+        layout = self.sampler.layout
+        if step >= layout.steps:
+            raise IndexError(f"step {step} is out of range for an epoch of {layout.steps} steps")
+        plan = self.plan_at(step)
+        if step < layout.full_steps:
+            return plan
+        return tuple(split_remainder(sum(layout.last_counts), plan))
 
     def __iter__(self) -> Iterator[list[int]]:
-        shard = list(self.sampler)
-        b = self.sampler.batch_size
-        for start in range(0, len(shard), b):
-            yield shard[start : start + b]
+        s = self.sampler
+        if s.locality:
+            shard = list(s)
+            b = s.batch_size
+            for start in range(0, len(shard), b):
+                yield shard[start : start + b]
+            return
+        layout = s.layout
+        order = ddp_order(s.num_samples, layout.padding, s.epoch, s.seed, s.shuffle)
+        global_batch = sum(layout.plan)
+        for k in range(layout.steps):
+            counts = self.step_counts(k)  # read now: a change made while iterating applies to later steps
+            lo = k * global_batch + sum(counts[: s.rank])
+            yield order[lo : lo + counts[s.rank]].tolist()
 
     def __len__(self) -> int:
         return self.sampler.layout.steps

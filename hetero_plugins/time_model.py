@@ -64,7 +64,7 @@ class LinearTimeModel:
 
     def __init__(
         self,
-        half_life: float = 12.0,
+        half_life: float = 6.0,
         window: int = 512,
         min_group_weight: float = 2.0,
         min_relative_spread: float = 0.15,

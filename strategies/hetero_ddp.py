@@ -46,6 +46,8 @@ class HeteroDDPStrategy(DDPStrategy):
             step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: per-rank batch sizes for validation, test and predict loaders too.
         timeout: bound on every collective; a rank that dies ends the job after at most this long.
+        replan_every: steps between mid-epoch exchanges of step times, after which the plan may change for
+            the rest of the epoch (``None``: plans change at epoch ends only).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, DDP keyword arguments...).
 
@@ -62,10 +64,11 @@ class HeteroDDPStrategy(DDPStrategy):
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
-        half_life: float = 12.0,
+        half_life: float = 6.0,
         locality: bool = False,
         balance_eval: bool = True,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
+        replan_every: int | None = 5,
         **kwargs: Any,
     ) -> None:
         if "ddp_comm_hook" in kwargs:
@@ -79,6 +82,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self.balancer = BatchBalancer(
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
+            replan_every=replan_every,
         )
 
     @property

@@ -139,7 +139,7 @@ class HeteroHorovodStrategy(ParallelStrategy):
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
-        half_life: float = 12.0,
+        half_life: float = 6.0,
         locality: bool = False,
         balance_eval: bool = True,
         **kwargs: Any,

@@ -20,7 +20,7 @@ class DigitsMLP(pl.LightningModule):
     """float64 MLP on digits, plain SGD with momentum: deterministic enough to replay exactly."""
 
     def __init__(self, batch_size: int = 16, lr: float = 0.1, fail_on_rank: int | None = None, fail_at_step: int = 3,
-                 batchnorm: bool = False) -> None:
+                 batchnorm: bool = False, die: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
@@ -34,6 +34,8 @@ class DigitsMLP(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.hparams.fail_on_rank == self.global_rank and self.current_epoch == 1 and batch_idx == self.hparams.fail_at_step:
+            if self.hparams.die:
+                os._exit(13)  # the process dies without a Python exception, e.g. killed by the OOM killer
             raise RuntimeError(f"injected failure on rank {self.global_rank}")
         x, y = batch
         return nn.functional.cross_entropy(self(x), y)

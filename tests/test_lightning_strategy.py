@@ -62,17 +62,27 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
     t.fit(model)
     reports = read_reports(str(tmp_path), 2)
     hist = reports[0]["plan_history"]
-    # Every rank adopted the same plans; the slow rank's share dropped; the global batch stayed 32.
+    # Every rank adopted the same plans; the slow rank's share dropped within the first epoch (mid-epoch
+    # replanning every 5 steps), and the global batch stayed 32.
     assert reports[0]["plan_history"] == reports[1]["plan_history"]
-    assert [h["batch_sizes"] for h in hist][0] == [16, 16]
+    assert hist[0]["batch_sizes"] == [16, 16]
+    first = hist[0]["plan_changes"][0]
+    assert first["step"] <= 10 and first["batch_sizes"][1] < 10 and sum(first["batch_sizes"]) == 32
     assert hist[1]["batch_sizes"][1] < 10 and sum(hist[1]["batch_sizes"]) == 32
-    assert hist[-1]["straggler_level"] < hist[0]["straggler_level"] / 2
+    assert hist[-1]["straggler_level"] < 0.3
     assert reports[0]["hook_calls"] > 0
-    # Each rank really ran its planned local batch, and the same number of steps.
-    for r, rep in enumerate(reports):
-        for e in range(3):
-            full = rep["batches"][str(e)][:-1]
-            assert set(full) == {hist[e]["batch_sizes"][r]}
+    # Each rank really ran the planned local batch of every step (plan changes included), and all ranks the
+    # same number of steps.
+    for e in range(3):
+        plan_at = {0: hist[e]["batch_sizes"]}
+        for change in hist[e]["plan_changes"]:
+            plan_at[change["step"]] = change["batch_sizes"]
+        for r, rep in enumerate(reports):
+            sizes = rep["batches"][str(e)]
+            current = None
+            for k, b in enumerate(sizes[:-1]):
+                current = plan_at.get(k, current)
+                assert b == current[r], (e, k, r)
     assert len(reports[0]["batches"]["2"]) == len(reports[1]["batches"]["2"])
     # Exactness: the 2-rank run equals one process stepping on every step's union (float64, 1e-9).
     ref = DigitsMLP(batch_size=16)
@@ -144,6 +154,16 @@ def test_failing_rank_ends_the_run_with_its_error(tmp_path):
     t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=3, limit_train_batches=6)
     with pytest.raises(Exception, match="injected failure on rank 1"):
         t.fit(DigitsMLP(batch_size=16, fail_on_rank=1))
+
+
+def test_dying_rank_ends_the_run_instead_of_hanging(tmp_path):
+    import time
+
+    t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=3, limit_train_batches=6)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="exit code 13|exited with exit code 13|process 1"):
+        t.fit(DigitsMLP(batch_size=16, fail_on_rank=1, die=True))
+    assert time.monotonic() - start < 120
 
 
 def test_dataset_smaller_than_global_batch(tmp_path):

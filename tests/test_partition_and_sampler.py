@@ -108,3 +108,28 @@ def test_evaluation_layout_pads_only_where_a_rank_would_be_empty(n, plan):
     assert set(flat) == set(range(n)) and len(flat) == n + layout.padding
     rem = n % sum(plan)
     assert layout.padding == (len(plan) - rem if 0 < rem < len(plan) else 0)
+
+
+def test_mid_epoch_plan_change_keeps_every_sample_once_and_the_step_unions():
+    n, world = 1437, 4
+    plan, new = [32, 32, 32, 32], [47, 47, 23, 11]
+    samplers = [HeteroBatchSampler(n, plan, r, seed=3) for r in range(world)]
+    iters = [iter(s) for s in samplers]
+    steps = len(samplers[0])
+    seen = [[next(it) for it in iters] for _ in range(4)]  # four steps drawn, then the plan changes
+    for s in samplers:
+        s.set_plan(new, from_step=6)
+    seen += [[next(it) for it in iters] for _ in range(steps - 4)]
+    assert [len(b) for b in seen[5]] == plan and [len(b) for b in seen[6]] == new
+    assert [len(b) for b in seen[-1]] == list(samplers[0].step_counts(steps - 1))
+    flat = [i for step in seen for batch in step for i in batch]
+    assert sorted(set(flat)) == list(range(n)) and len(flat) == n + (-n) % world
+    reference = [list(HeteroBatchSampler(n, plan, r, seed=3)) for r in range(world)]
+    for k in range(steps):
+        assert sorted(i for b in seen[k] for i in b) == sorted(i for r in range(world) for i in reference[r][k])
+    samplers[0].set_epoch(1)
+    assert samplers[0].plan == tuple(new) and samplers[0].plan_changes == []
+    with pytest.raises(ValueError, match="global batch"):
+        samplers[0].set_plan([1, 1, 1, 1], from_step=3)
+    with pytest.raises(ValueError, match="locality=False"):
+        HeteroBatchSampler(n, plan, 0, locality=True).set_plan(new, from_step=3)

@@ -1,0 +1,28 @@
+"""The embedded two-stage learned scheduler (issue 4), after Zhang, Geng, Ma, IEEE TPDS 2021.
+
+- Stage 1 (LDWP): :class:`DQNAllocator` (``allocator="dqn"``) assigns chunks of the global batch to ranks
+  with a pre-trained Double DQN; :class:`AutoAllocator` (``allocator="auto"``) falls back to
+  ``equal_finish`` whenever the DQN's plan is predicted slower.
+- Stage 2 (IAWP): :class:`InterferencePredictor`, a NeuMF (He et al., WWW 2017) predicting co-runner
+  slowdowns, and :func:`plan_relocation` / :func:`write_restart_spec` for rank-to-slot relocation.
+- :mod:`~hetero_plugins.scheduler.pretrain` and :mod:`~hetero_plugins.scheduler.transfer` build models on
+  the simulator (:mod:`hetero_plugins.sim`); shipped defaults live in ``models/`` and load by default.
+"""
+
+from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
+from hetero_plugins.scheduler.features import FEATURE_SCHEMA_VERSION, FEATURES
+from hetero_plugins.scheduler.ncf import InterferencePredictor, RelocationPlan, plan_relocation, write_restart_spec
+from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
+
+__all__ = [
+    "FEATURES",
+    "FEATURE_SCHEMA_VERSION",
+    "AutoAllocator",
+    "DQNAllocator",
+    "DQNTrainer",
+    "InterferencePredictor",
+    "QNetwork",
+    "RelocationPlan",
+    "plan_relocation",
+    "write_restart_spec",
+]

@@ -1,0 +1,156 @@
+"""Per-rank features of the stage-1 scheduler, and the model-file format that pins their schema.
+
+The DQN of LDWP (Zhang, Geng, Ma, IEEE TPDS 2021) maps "cluster runtime status" and "task characteristics"
+to a scheduling action. Here a task is a chunk of the global batch and an action a rank; one shared-weight
+network scores every rank from that rank's own features, so the same weights serve any world size (no
+output head per rank to re-initialise when the cluster changes). The features (schema
+:data:`FEATURE_SCHEMA_VERSION`), normalised by the ideal equal-finish step time ``T``:
+
+==================  ================================================================================
+``t_now``           predicted compute time at the rank's current load, / T
+``t_next``          the same after one more chunk, / T
+``chunk_cost``      the chunk's predicted cost on this rank, / T
+``intercept_share`` fixed cost / predicted time at the mean load (how little a smaller batch saves)
+``log_speed``       log of the rank's throughput relative to the mean (1/slope)
+``trend``           log of slope now / slope at the previous decision, clipped to [-1, 1]
+``utilisation``     share of the device used by other processes (0: dedicated)
+``headroom``        free memory in local-batch units, (max_batch - load) / mean load, clipped to [0, 4]
+``data``            seconds per step outside the measured compute window (input pipeline), / T
+``load_share``      current load / mean load
+==================  ================================================================================
+
+Features depend only on the rank's own state and decision-wide constants, so after a chunk is assigned
+only that rank's row changes: large clusters are scored incrementally.
+
+Model files are ``.npz`` archives holding the weights and a ``meta`` JSON header (``kind``,
+``schema_version``, ``features``...); :func:`read_model` refuses a file built for another schema.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "read_model", "write_model"]
+
+FEATURE_SCHEMA_VERSION = 1
+FEATURES: tuple[str, ...] = (
+    "t_now", "t_next", "chunk_cost", "intercept_share", "log_speed", "trend", "utilisation", "headroom",
+    "data", "load_share",
+)
+
+
+@dataclass
+class DecisionContext:
+    """Decision-wide per-rank constants from which :meth:`features` builds rows.
+
+    Args:
+        intercept, slope: each rank's fitted time line (seconds, seconds per sample).
+        global_batch: samples to split.
+        max_batch: each rank's cap.
+        prev_slope: slopes at the previous decision (``None``: no trend known).
+        utilisation: per-rank utilisation by other processes (``None``: 0).
+        data: per-rank data seconds per step (``None``: 0).
+    """
+
+    intercept: np.ndarray
+    slope: np.ndarray
+    global_batch: int
+    max_batch: np.ndarray
+    prev_slope: np.ndarray | None = None
+    utilisation: np.ndarray | None = None
+    data: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        a = np.maximum(np.asarray(self.intercept, dtype=np.float64), 0.0)
+        beta = np.maximum(np.asarray(self.slope, dtype=np.float64), 1e-12)
+        n = len(a)
+        self.intercept, self.slope = a, beta
+        self.max_batch = np.asarray(self.max_batch, dtype=np.float64)
+        self.mean_load = self.global_batch / n
+        #: The ideal (unbounded, continuous) equal-finish step time: the normaliser of every time feature.
+        self.T = float((self.global_batch + np.sum(a / beta)) / np.sum(1.0 / beta))
+        speed = 1.0 / beta
+        self._static = np.zeros((n, 6))
+        self._static[:, 0] = a / (a + beta * self.mean_load)
+        self._static[:, 1] = np.clip(np.log(speed / speed.mean()), -4.0, 4.0)
+        if self.prev_slope is not None and len(self.prev_slope) == n:
+            self._static[:, 2] = np.clip(np.log(beta / np.maximum(np.asarray(self.prev_slope, dtype=np.float64), 1e-12)), -1.0, 1.0)
+        if self.utilisation is not None:
+            self._static[:, 3] = np.clip(np.asarray(self.utilisation, dtype=np.float64), 0.0, 1.0)
+        if self.data is not None:
+            self._static[:, 5] = np.maximum(np.asarray(self.data, dtype=np.float64), 0.0) / self.T
+
+    @property
+    def world_size(self) -> int:
+        return len(self.intercept)
+
+    def features(self, idx: np.ndarray, load: np.ndarray, chunk: float) -> np.ndarray:
+        """Feature rows (schema :data:`FEATURES`) of ranks ``idx`` at loads ``load[idx]``, for chunks of ``chunk``."""
+        a, beta, T = self.intercept[idx], self.slope[idx], self.T
+        ld = load[idx]
+        st = self._static[idx]
+        out = np.empty((len(idx), len(FEATURES)))
+        out[:, 0] = (a + beta * ld) / T
+        out[:, 1] = (a + beta * (ld + chunk)) / T
+        out[:, 2] = beta * chunk / T
+        out[:, 3] = st[:, 0]
+        out[:, 4] = st[:, 1]
+        out[:, 5] = st[:, 2]
+        out[:, 6] = st[:, 3]
+        out[:, 7] = np.clip((self.max_batch[idx] - ld) / self.mean_load, 0.0, 4.0)
+        out[:, 8] = st[:, 5]
+        out[:, 9] = ld / self.mean_load
+        return out
+
+
+def write_model(path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
+    """Save ``arrays`` (float32) and a ``meta`` JSON header (schema version and features added) as ``.npz``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"schema_version": FEATURE_SCHEMA_VERSION, "features": list(FEATURES), **meta}
+    payload = {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}
+    with open(path, "wb") as f:
+        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **payload)
+    return path
+
+
+def read_model(source: str | Path | None, kind: str, default: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Load a model file written by :func:`write_model`; ``None`` loads the shipped ``default`` resource.
+
+    Raises:
+        ValueError: the file is missing, is not a ``kind`` model, or was built for another feature schema.
+    """
+    if source is None:
+        data = resources.files("hetero_plugins.scheduler").joinpath("models", default).read_bytes()
+        label = f"shipped model {default!r}"
+    else:
+        p = Path(source)
+        if not p.is_file():
+            raise ValueError(f"`model`={str(source)!r} is not a file. HINT: pass a file written by "
+                             "`hetero-plugins pretrain` / `transfer`, or model=None for the shipped default.")
+        data, label = p.read_bytes(), f"model file {str(p)!r}"
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: np.asarray(z[k], dtype=np.float64) for k in z.files if k != "meta"}
+            meta = json.loads(str(z["meta"]))
+    except Exception as err:  # noqa: BLE001 - any unreadable archive gets the same advice
+        raise ValueError(f"{label} is not a hetero_plugins scheduler model ({err}). "
+                         "HINT: pass a file written by `hetero-plugins pretrain`.") from err
+    if meta.get("kind") != kind:
+        raise ValueError(f"{label} holds a {meta.get('kind')!r} model, expected {kind!r}. "
+                         f"HINT: pass a {kind} model file.")
+    if kind == "dqn" and (meta.get("schema_version") != FEATURE_SCHEMA_VERSION or meta.get("features") != list(FEATURES)):
+        raise ValueError(
+            f"{label} was built for feature schema version {meta.get('schema_version')!r} "
+            f"(features {meta.get('features')}), but this hetero_plugins uses version {FEATURE_SCHEMA_VERSION} "
+            f"(features {list(FEATURES)}). HINT: rebuild it with `hetero-plugins pretrain` (or `transfer` from the "
+            "shipped model), or pass model=None to use the shipped default."
+        )
+    return arrays, meta

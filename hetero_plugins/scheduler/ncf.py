@@ -1,0 +1,290 @@
+"""Stage 2 (IAWP): a NeuMF interference predictor and the relocation plan it drives.
+
+Zhang, Geng, Ma (IEEE TPDS 2021) place co-executing subtasks with neural collaborative filtering. The
+equivalent used here is NeuMF (He et al., "Neural Collaborative Filtering", WWW 2017): a GMF branch (the
+element-wise product of a "user" and an "item" embedding) and an MLP branch (their concatenation through a
+tower) joined by a linear output. The user is the workload type; the item is a (device type, co-runner)
+pair; the output, regressed with MSE, is the log of the slowdown ``t_corun / t_solo`` (>= 0 via softplus).
+Pre-training follows the NeuMF recipe: GMF and MLP are trained alone, then NeuMF is initialised from both
+with the two predictive layers weighted by ``alpha = 0.5`` and trained jointly.
+
+:func:`plan_relocation` then maps ranks to slots (a device with its current co-runner) to minimise the
+predicted equal-finish step time ``T = (B + sum a/beta) / sum 1/beta``: with small fixed costs that is
+maximising the summed predicted speed, a linear assignment whose optimum, all ranks running the same
+workload, is the set of fastest predicted slots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins.scheduler.features import read_model, write_model
+
+__all__ = ["InterferencePredictor", "RelocationPlan", "plan_relocation", "write_restart_spec"]
+
+DEFAULT_MODEL = "ncf_v1.npz"
+SOLO = "none"
+
+
+def _build(n_users: int, n_items: int, dim: int, tower: Sequence[int]) -> Any:
+    import torch
+    from torch import nn
+
+    class NeuMF(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gmf_u, self.gmf_i = nn.Embedding(n_users, dim), nn.Embedding(n_items, dim)
+            self.mlp_u, self.mlp_i = nn.Embedding(n_users, dim), nn.Embedding(n_items, dim)
+            layers: list[nn.Module] = []
+            width = 2 * dim
+            for h in tower:
+                layers += [nn.Linear(width, h), nn.ReLU()]
+                width = h
+            self.tower = nn.Sequential(*layers)
+            self.out_gmf, self.out_mlp = nn.Linear(dim, 1), nn.Linear(width, 1)
+            for e in (self.gmf_u, self.gmf_i, self.mlp_u, self.mlp_i):
+                nn.init.normal_(e.weight, std=0.3)
+
+        def forward(self, u: torch.Tensor, i: torch.Tensor, mode: str = "neumf") -> torch.Tensor:
+            g = self.out_gmf(self.gmf_u(u) * self.gmf_i(i)).squeeze(-1)
+            m = self.out_mlp(self.tower(torch.cat([self.mlp_u(u), self.mlp_i(i)], dim=-1))).squeeze(-1)
+            z = g if mode == "gmf" else m if mode == "mlp" else g + m
+            return nn.functional.softplus(z)  # log-slowdown >= 0
+
+    return NeuMF()
+
+
+class InterferencePredictor:
+    """Predicts the slowdown of a workload on a device type beside a co-runner (``"none"``: solo, 1.0).
+
+    Args:
+        workloads: workload names (NCF users).
+        devices: device type names.
+        corunners: co-runner names; ``"none"`` is added.
+        dim: embedding size of each branch.
+        tower: MLP tower widths.
+        seed: initialisation seed.
+
+    Example::
+
+        >>> p = InterferencePredictor(["train"], ["gpu"], ["video"])
+        >>> _ = p.fit([("train", "gpu", "video", 1.5), ("train", "gpu", "none", 1.0)], epochs=200)
+        >>> round(p.predict("train", "gpu", "video"), 1)
+        1.5
+    """
+
+    def __init__(self, workloads: Sequence[str], devices: Sequence[str], corunners: Sequence[str],
+                 dim: int = 8, tower: Sequence[int] = (32, 16, 8), seed: int = 0) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+        self.workloads, self.devices = list(workloads), list(devices)
+        self.corunners = [SOLO] + [c for c in corunners if c != SOLO]
+        self.dim, self.tower = int(dim), tuple(int(h) for h in tower)
+        self.model = _build(len(self.workloads), len(self.devices) * len(self.corunners), self.dim, self.tower)
+        self.meta: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ indexing
+    def _ids(self, rows: Sequence[tuple[str, str, str | None]]) -> tuple[Any, Any]:
+        import torch
+
+        u, i = [], []
+        for w, d, c in rows:
+            for name, vocab, field in ((w, self.workloads, "workload"), (d, self.devices, "device")):
+                if name not in vocab:
+                    raise ValueError(f"unknown {field} {name!r}; this predictor knows {vocab}. "
+                                     "HINT: use `hetero-plugins transfer` to extend it to new names.")
+            c = SOLO if c is None else c
+            if c not in self.corunners:
+                raise ValueError(f"unknown co-runner {c!r}; this predictor knows {self.corunners}. "
+                                 "HINT: use `hetero-plugins transfer` to extend it to new names.")
+            u.append(self.workloads.index(w))
+            i.append(self.devices.index(d) * len(self.corunners) + self.corunners.index(c))
+        return torch.tensor(u), torch.tensor(i)
+
+    # ------------------------------------------------------------------ training
+    def fit(self, samples: Sequence[tuple[str, str, str | None, float]], epochs: int = 300, lr: float = 0.01,
+            pretrain_epochs: int | None = None, alpha: float = 0.5, seconds: float | None = None) -> dict[str, float]:
+        """Train on ``(workload, device, corunner, slowdown)`` samples: GMF and MLP alone, then NeuMF (alpha fusion).
+
+        Returns the final training MSE of the log-slowdown.
+        """
+        import torch
+
+        torch.set_num_threads(1)
+        if not samples:
+            raise ValueError("`samples` is empty. HINT: give (workload, device, corunner, slowdown) tuples.")
+        u, i = self._ids([(w, d, c) for w, d, c, _ in samples])
+        y = torch.tensor([math.log(max(s, 1.0)) for *_, s in samples], dtype=torch.float32)
+        t0 = time.perf_counter()
+        pre = epochs // 2 if pretrain_epochs is None else pretrain_epochs
+        for mode in ("gmf", "mlp"):
+            self._train(u, i, y, mode, pre, lr, t0, seconds)
+        with torch.no_grad():  # NeuMF initialised from both, predictive layers weighted alpha / 1 - alpha
+            self.model.out_gmf.weight.mul_(alpha)
+            self.model.out_gmf.bias.mul_(alpha)
+            self.model.out_mlp.weight.mul_(1 - alpha)
+            self.model.out_mlp.bias.mul_(1 - alpha)
+        loss = self._train(u, i, y, "neumf", epochs, lr / 2, t0, seconds)
+        return {"mse_log": loss}
+
+    def _train(self, u: Any, i: Any, y: Any, mode: str, epochs: int, lr: float, t0: float,
+               seconds: float | None) -> float:
+        import torch
+
+        opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        loss = torch.tensor(float("nan"))
+        for _ in range(epochs):
+            if seconds is not None and time.perf_counter() - t0 > seconds:
+                break
+            perm = torch.randperm(len(y))
+            for k in range(0, len(y), 256):
+                b = perm[k: k + 256]
+                loss = torch.nn.functional.mse_loss(self.model(u[b], i[b], mode), y[b])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return float(loss.detach())
+
+    def mse(self, samples: Sequence[tuple[str, str, str | None, float]]) -> float:
+        """Mean squared error of the predicted log-slowdown on ``samples``."""
+        pred = np.log([self.predict(w, d, c) for w, d, c, _ in samples])
+        return float(np.mean((pred - np.log([max(s, 1.0) for *_, s in samples])) ** 2))
+
+    # ------------------------------------------------------------------ inference
+    def predict(self, workload: str, device: str, corunner: str | None) -> float:
+        """Predicted slowdown (>= 1); exactly 1 without a co-runner."""
+        return float(self.predict_many([(workload, device, corunner)])[0])
+
+    def predict_many(self, rows: Sequence[tuple[str, str, str | None]]) -> np.ndarray:
+        import torch
+
+        u, i = self._ids(rows)
+        with torch.no_grad():
+            z = self.model(u, i).numpy().astype(np.float64)
+        solo = np.array([(c is None or c == SOLO) for _, _, c in rows])
+        return np.where(solo, 1.0, np.exp(z))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | Path, **meta: Any) -> Path:
+        arrays = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+        head = {"kind": "ncf", "workloads": self.workloads, "devices": self.devices, "corunners": self.corunners,
+                "dim": self.dim, "tower": list(self.tower), **self.meta, **meta}
+        return write_model(path, arrays, head)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> InterferencePredictor:
+        """Load a saved predictor (``None``: the shipped default)."""
+        import torch
+
+        arrays, meta = read_model(path, "ncf", DEFAULT_MODEL)
+        p = cls(meta["workloads"], meta["devices"], meta["corunners"], dim=meta["dim"], tower=meta["tower"])
+        p.model.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in arrays.items()})
+        p.meta = {k: v for k, v in meta.items() if k not in ("kind", "workloads", "devices", "corunners", "dim",
+                                                               "tower", "schema_version", "features")}
+        return p
+
+
+@dataclass(frozen=True)
+class RelocationPlan:
+    """Rank -> slot mapping with predicted step times (seconds) before and after."""
+
+    mapping: list[int]
+    current_step_time: float
+    predicted_step_time: float
+
+    @property
+    def predicted_gain(self) -> float:
+        """Relative predicted speed-up of relocating (0: keep the placement)."""
+        return self.current_step_time / self.predicted_step_time - 1.0 if self.predicted_step_time > 0 else 0.0
+
+    @property
+    def moves(self) -> list[tuple[int, int]]:
+        return [(r, s) for r, s in enumerate(self.mapping) if s != r]
+
+
+def _equal_finish_time(a: np.ndarray, beta: np.ndarray, global_batch: int) -> float:
+    return float((global_batch + np.sum(a / beta)) / np.sum(1.0 / beta))
+
+
+def plan_relocation(
+    predictor: InterferencePredictor,
+    workload: str,
+    slots: Sequence[Mapping[str, Any]],
+    world_size: int,
+    global_batch: int,
+    device_times: Mapping[str, tuple[float, float]],
+    current: Sequence[int] | None = None,
+    min_gain: float = 0.05,
+) -> RelocationPlan:
+    """Choose a slot per rank minimising the predicted equal-finish step time.
+
+    Args:
+        predictor: the stage-2 interference model.
+        workload: this job's workload type.
+        slots: candidate places, each ``{"device": type, "corunner": name or None}``; at least ``world_size``.
+        world_size: ranks to place.
+        global_batch: samples per step.
+        device_times: solo ``(intercept, slope)`` of the workload per device type.
+        current: each rank's current slot (default rank r on slot r).
+        min_gain: a relocation predicted to gain less than this keeps the current placement.
+    """
+    if len(slots) < world_size:
+        raise ValueError(f"`slots` has {len(slots)} entries for world_size={world_size}. HINT: give at least one slot per rank.")
+    current = list(range(world_size)) if current is None else [int(s) for s in current]
+    for s in slots:
+        if s.get("device") not in device_times:
+            raise ValueError(f"slot {dict(s)} names a device without solo times; `device_times` has {sorted(device_times)}. "
+                             "HINT: add its (intercept, slope).")
+    slow = predictor.predict_many([(workload, s["device"], s.get("corunner")) for s in slots])
+    a = np.array([device_times[s["device"]][0] for s in slots]) * slow
+    beta = np.array([device_times[s["device"]][1] for s in slots]) * slow
+    # Every rank runs the same workload, so the assignment problem's optimum is the world_size slots with
+    # the highest predicted speed (exact greedy, no Hungarian solve needed); ranks whose slot stays chosen
+    # keep it, the others take the freed slots.
+    speed = 1.0 / beta
+    occupied = set(current)
+    order = sorted(range(len(slots)), key=lambda s: (-speed[s], s not in occupied, s))
+    chosen = set(order[:world_size])
+    free = [s for s in order[:world_size] if s not in current]
+    mapping = [s if s in chosen else free.pop(0) for s in current]
+    t_cur = _equal_finish_time(a[current], beta[current], global_batch)
+    t_new = _equal_finish_time(a[mapping], beta[mapping], global_batch)
+    if t_cur / t_new - 1.0 < min_gain:
+        mapping, t_new = list(current), t_cur
+    return RelocationPlan(mapping, t_cur, t_new)
+
+
+def write_restart_spec(path: str | Path, plan: RelocationPlan, slots: Sequence[Mapping[str, Any]]) -> Path | None:
+    """Write a JSON restart spec for a relocation that gains; warn naming the predicted gain.
+
+    Returns the path, or ``None`` when the plan keeps every rank in place. Applying it (restarting ranks on
+    the new slots under torchrun / Horovod elastic) is left to the launcher.
+    """
+    if not plan.moves:
+        return None
+    path = Path(path)
+    spec = {
+        "predicted_gain": plan.predicted_gain,
+        "current_step_time_s": plan.current_step_time,
+        "predicted_step_time_s": plan.predicted_step_time,
+        "ranks": [{"rank": r, "slot": s, **dict(slots[s])} for r, s in enumerate(plan.mapping)],
+        "moves": [{"rank": r, "to_slot": s} for r, s in plan.moves],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=2))
+    warnings.warn(
+        f"hetero_plugins: relocating {len(plan.moves)} rank(s) is predicted to make steps "
+        f"{100 * plan.predicted_gain:.1f}% faster; restart spec written to {str(path)!r}.",
+        RuntimeWarning, stacklevel=2,
+    )
+    return path

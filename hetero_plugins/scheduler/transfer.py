@@ -1,0 +1,115 @@
+"""Transfer learning: rebuild the scheduler for a new cluster starting from an existing model.
+
+The seed paper (Zhang, Geng, Ma, IEEE TPDS 2021) rebuilds its scheduling model for a new cluster by
+transfer learning; the recipe is not public, so this is the usual equivalent (shared/research/seeds.md):
+
+- DQN: copy the weights. The scorer is shared across ranks, so a different rank count needs no new output
+  head. Fine-tune on the new cluster's decisions with the lower layers frozen for the first
+  ``freeze_fraction`` of the budget, then everything at a smaller learning rate, with little exploration.
+- NCF: copy the embeddings of known workloads / device types / co-runners; new names start from the mean
+  of the known ones; fine-tune on the new slowdown samples plus the source's own predictions (rehearsal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
+from hetero_plugins.scheduler.ncf import InterferencePredictor
+from hetero_plugins.scheduler.pretrain import evaluate_dqn
+from hetero_plugins.sim import Scenario, decision_problems
+
+__all__ = ["transfer_dqn", "transfer_ncf"]
+
+
+def transfer_dqn(
+    scenario: Scenario | str | Path | Mapping[str, Any],
+    source: str | Path | QNetwork | None = None,
+    seconds: float = 20.0,
+    freeze_fraction: float = 0.3,
+    lr: float = 1e-4,
+    noise_seeds: int = 20,
+    seed: int = 0,
+    out: str | Path | None = None,
+) -> tuple[QNetwork, dict[str, Any]]:
+    """Fine-tune a DQN (default: the shipped one) on ``scenario``'s decisions; save to ``out`` if given.
+
+    Returns the network and ``{"before", "after"}``: the mean ratio of true makespans to equal_finish's on
+    held-out decisions of the scenario (lower is better); the better of source and fine-tuned is returned.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    net = source if isinstance(source, QNetwork) else QNetwork.load(source)
+    rng = np.random.default_rng(seed)
+    train = [p for _ in range(noise_seeds) for p in decision_problems(scenario, rng)]
+    test = [p for _ in range(3) for p in decision_problems(scenario, rng)]
+    before = evaluate_dqn(net, test)
+    trainer = DQNTrainer(net=net, lr=lr, eps_start=0.1, eps_end=0.02, eps_decay=100, seed=seed)
+    trainer.freeze_lower(True)
+    trainer.train(train, seconds=seconds * freeze_fraction)
+    trainer.freeze_lower(False)
+    trainer.set_lr(lr / 3)
+    trainer.train(train, seconds=seconds * (1 - freeze_fraction))
+    tuned = trainer.network()
+    after = evaluate_dqn(tuned, test)
+    best = tuned if after <= before else net
+    stats = {"before": round(before, 4), "after": round(after, 4), "kept": "fine-tuned" if after <= before else "source",
+             "episodes": trainer.episodes, "updates": trainer.updates}
+    if out is not None:
+        best.save(out, transfer=stats)
+    return best, stats
+
+
+def transfer_ncf(
+    samples: Sequence[tuple[str, str, str | None, float]],
+    source: str | Path | InterferencePredictor | None = None,
+    epochs: int = 200,
+    lr: float = 0.005,
+    rehearsal: bool = True,
+    out: str | Path | None = None,
+) -> tuple[InterferencePredictor, dict[str, Any]]:
+    """Extend a predictor (default: the shipped one) to the names in ``samples`` and fine-tune on them.
+
+    With ``rehearsal`` the source's predictions for every combination it knew are trained on too, so a few
+    new samples do not make it forget the old cluster.
+    """
+    import torch
+
+    src = source if isinstance(source, InterferencePredictor) else InterferencePredictor.load(source)
+    workloads = src.workloads + sorted({w for w, *_ in samples} - set(src.workloads))
+    devices = src.devices + sorted({d for _, d, *_ in samples} - set(src.devices))
+    corunners = src.corunners + sorted({c for _, _, c, _ in samples if c is not None} - set(src.corunners))
+    dst = InterferencePredictor(workloads, devices, corunners, dim=src.dim, tower=src.tower)
+    s_state, d_state = src.model.state_dict(), dst.model.state_dict()
+    nc_s, nc_d = len(src.corunners), len(dst.corunners)
+    with torch.no_grad():
+        for key, value in s_state.items():
+            if key.endswith("_u.weight"):
+                d_state[key][:] = value.mean(0)
+                d_state[key][: len(src.workloads)] = value
+            elif key.endswith("_i.weight"):
+                d_state[key][:] = value.mean(0)
+                for di, d in enumerate(src.devices):
+                    for ci, c in enumerate(src.corunners):
+                        d_state[key][devices.index(d) * nc_d + corunners.index(c)] = value[di * nc_s + ci]
+            else:
+                d_state[key].copy_(value)
+    dst.model.load_state_dict(d_state)
+    before = dst.mse(samples)
+    rows = list(samples)
+    if rehearsal:  # the source's own predictions on what it knew, so fine-tuning does not overwrite them
+        known = [(w, d, c) for w in src.workloads for d in src.devices for c in src.corunners[1:]]
+        new = {(w, d, c) for w, d, c, _ in samples}
+        rows += [(*k, float(s)) for k, s in zip(known, src.predict_many(known)) if k not in new]
+        rows += list(samples) * max(1, (len(rows) - len(samples)) // (4 * len(samples)))  # keep the new rows weighty
+    dst._train(*dst._ids([(w, d, c) for w, d, c, _ in rows]),
+               torch.tensor([float(np.log(max(s, 1.0))) for *_, s in rows]), "neumf", epochs, lr, 0.0, None)
+    stats = {"before_mse_log": before, "after_mse_log": dst.mse(samples)}
+    if out is not None:
+        dst.save(out, transfer=stats)
+    return dst, stats

@@ -1,0 +1,235 @@
+"""The learned two-stage scheduler (issue 4): simulator, DQN, NCF, model files, "auto" fallback, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hetero_plugins.allocators import ALLOCATORS, Bounds, EqualFinishAllocator, get_allocator
+from hetero_plugins.cli import main as cli_main
+from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.scheduler import AutoAllocator, DQNAllocator, InterferencePredictor, QNetwork
+from hetero_plugins.scheduler.dqn import DQNTrainer
+from hetero_plugins.scheduler.features import FEATURES, write_model
+from hetero_plugins.scheduler.ncf import plan_relocation, write_restart_spec
+from hetero_plugins.scheduler.pretrain import evaluate_dqn, slowdown_table
+from hetero_plugins.scheduler.transfer import transfer_ncf
+from hetero_plugins.sim import BUILTIN_SCENARIOS, ClusterSim, decision_problems, load_scenario, simulate
+from hetero_plugins.time_model import TimeModelParams as P
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- simulator
+@pytest.mark.parametrize("name", sorted(BUILTIN_SCENARIOS))
+def test_builtin_scenarios_validate(name):
+    sc = load_scenario(name)
+    assert sc.world_size == len(sc.slope) and sc.global_batch >= sc.world_size
+
+
+def test_step_times_monotone_in_batch():
+    sim = ClusterSim("dynamic")
+    plan = np.full(sim.world_size, 32)
+    for epoch in range(4):
+        lo, _ = sim.step_times(epoch, 3, plan)
+        hi, _ = sim.step_times(epoch, 3, plan + 1)
+        assert np.all(hi > lo)
+
+
+def test_events_applied():
+    sim = ClusterSim("interference")
+    table = sim.scenario.interference
+    assert np.all(sim.multipliers(1) == 1.0)
+    assert sim.multipliers(2)[0] == pytest.approx(table["video"]["v100"])
+    assert sim.multipliers(2)[4] == pytest.approx(table["video"]["t4"])
+    assert sim.multipliers(6)[0] == 1.0  # the co-runner left
+    ramp = ClusterSim("dynamic").multipliers
+    assert 1.0 < ramp(2)[0] < ramp(4)[0] < ramp(6)[0] == pytest.approx(2.5)
+    assert ramp(8)[0] == 1.0  # speed reset
+
+
+def test_simulation_deterministic_for_a_seed():
+    a = simulate("paper_mix", "equal_finish", epochs=3)
+    b = simulate("paper_mix", "equal_finish", epochs=3)
+    c = simulate("paper_mix", "equal_finish", epochs=3, seed=7)
+    assert a["epoch_times"] == b["epoch_times"] and a["plans"] == b["plans"]
+    assert a["epoch_times"] != c["epoch_times"]
+    assert a["epoch_times"][2] < 0.7 * a["epoch_times"][0]  # balancing pays off on the mixed cluster
+
+
+BASE = {"name": "t", "global_batch": 16, "device_types": {"g": {"intercept": 0.0, "slope": 0.001}},
+        "ranks": [{"device": "g", "count": 2}]}
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"global_batch": 0}, "global_batch"),
+    ({"device_types": {"g": {"slope": -1}}}, "device_types.g.slope"),
+    ({"ranks": [{"device": "tpu"}]}, "ranks[0].device"),
+    ({"ranks": [{"device": "g", "count": 0}]}, "ranks[0].count"),
+    ({"events": [{"epoch": 1, "kind": "melt", "ranks": [0]}]}, "events[0].kind"),
+    ({"events": [{"epoch": 1, "kind": "speed", "ranks": [5], "factor": 2}]}, "events[0].ranks"),
+    ({"events": [{"epoch": 1, "kind": "corunner", "ranks": [0], "corunner": "video"}]}, "events[0].corunner"),
+    ({"noise": "loud"}, "noise"),
+    ({"colour": "red"}, "colour"),
+])
+def test_bad_scenario_names_field_and_fix(patch, field):
+    with pytest.raises(ValueError, match=rf"`{__import__('re').escape(field)}`.*HINT"):
+        load_scenario({**BASE, **patch})
+
+
+def test_bad_scenario_file(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON.*HINT"):
+        load_scenario(f)
+    with pytest.raises(ValueError, match="missing.*HINT"):
+        load_scenario({"name": "x"})
+
+
+# ---------------------------------------------------------------- stage 1: DQN
+def _small_problems(seed: int):
+    spec = {"name": "small", "global_batch": 96, "epochs": 8, "noise": 0.0,
+            "device_types": {"fast": {"intercept": 0.002, "slope": 0.001}, "slow": {"intercept": 0.004, "slope": 0.004}},
+            "ranks": [{"device": "fast", "count": 2}, {"device": "slow", "count": 1}, {"device": "slow", "count": 1, "data": 0.02}],
+            "events": [{"epoch": 3, "kind": "speed", "ranks": [0], "factor": 2.0}]}
+    rng = np.random.default_rng(seed)
+    return [p for _ in range(5) for p in decision_problems(spec, rng)]
+
+
+def test_dqn_learns_a_small_problem_within_seconds():
+    problems = _small_problems(0)
+    untrained = evaluate_dqn(QNetwork.random(seed=3), problems)
+    trainer = DQNTrainer(net=QNetwork.random(seed=3), lr=1e-3, gamma=0.3, eps_decay=60, seed=3)
+    trainer.train(problems, seconds=4.0)
+    trained = evaluate_dqn(trainer.network(), problems)
+    assert trained < 0.8 * untrained, (trained, untrained)
+    assert trained < 1.0  # it learned the input-pipeline time that equal_finish cannot see
+
+
+def test_shipped_dqn_plans_are_valid_and_fast_at_scale():
+    sim = ClusterSim("large")
+    a, beta, _ = sim.params(2)
+    models = [P(x, y) for x, y in zip(a, beta)]
+    bounds = Bounds((1,) * sim.world_size, tuple(sim.scenario.max_batch))  # type: ignore[arg-type]
+    plan = DQNAllocator().allocate(models, sim.scenario.global_batch, bounds)
+    ef = EqualFinishAllocator().allocate(models, sim.scenario.global_batch, bounds)
+    assert sum(plan) == sim.scenario.global_batch and all(lo <= b <= hi for b, lo, hi in zip(plan, bounds.min_batch, bounds.max_batch))
+    makespan = lambda p: max(m.predict(b) for m, b in zip(models, p))  # noqa: E731
+    assert makespan(plan) <= 1.05 * makespan(ef)
+
+
+def test_registered_and_usable_by_the_planner():
+    assert isinstance(get_allocator("dqn"), DQNAllocator) and isinstance(get_allocator("auto"), AutoAllocator)
+    assert {"dqn", "auto"} <= set(ALLOCATORS)
+    p = BalancePlanner(world_size=2, global_batch=64, allocator="auto")
+    rec = np.array([[[32, 0.032, 0.0]] * 5, [[32, 0.128, 0.0]] * 5])
+    p.end_epoch(0, rec)
+    assert p.plan[1] < p.plan[0] and sum(p.plan) == 64
+
+
+def test_auto_falls_back_when_the_dqn_plan_is_worse():
+    # A network that prefers the rank whose next chunk finishes *last*: the opposite of what it should learn.
+    w0 = np.zeros((len(FEATURES), 1))
+    w0[FEATURES.index("t_next"), 0] = 1.0
+    bad = QNetwork([(w0, np.zeros(1))])
+    models = [P(0.0, 0.001), P(0.0, 0.001), P(0.0, 0.004)]
+    bounds = Bounds.uniform(3)
+    auto = AutoAllocator(model=bad)
+    proposal = DQNAllocator(model=bad).allocate(models, 96, bounds)
+    expected = EqualFinishAllocator().allocate(models, 96, bounds)
+    assert proposal != expected
+    assert auto.allocate(models, 96, bounds) == expected and auto.last_choice == "equal_finish"
+    good = AutoAllocator()
+    good.allocate(models, 96, bounds)
+    assert good.last_choice in ("dqn", "equal_finish")
+
+
+def test_model_round_trip_and_schema_refusal(tmp_path):
+    net = QNetwork.random(seed=1)
+    path = net.save(tmp_path / "q.npz", note="x")
+    back = QNetwork.load(path)
+    x = np.random.default_rng(0).normal(size=(5, len(FEATURES)))
+    assert np.allclose(net(x), back(x)) and back.meta["note"] == "x"
+    old = tmp_path / "old.npz"
+    write_model(old, {"W0": np.zeros((3, 1)), "b0": np.zeros(1)}, {"kind": "dqn", "schema_version": 0, "features": ["a"]})
+    with pytest.raises(ValueError, match="feature schema version 0.*HINT"):
+        DQNAllocator(model=old)
+    with pytest.raises(ValueError, match="holds a 'ncf' model"):
+        QNetwork.load(Path(__file__).parents[1] / "hetero_plugins/scheduler/models/ncf_v1.npz")
+    with pytest.raises(ValueError, match="is not a file.*HINT"):
+        QNetwork.load(tmp_path / "missing.npz")
+
+
+def test_shipped_models_are_small_and_load():
+    root = Path(__file__).parents[1] / "hetero_plugins/scheduler/models"
+    assert sum(f.stat().st_size for f in root.iterdir()) < 1_000_000
+    assert QNetwork.load().meta["schema_version"] == 1
+    assert InterferencePredictor.load().predict("training", "v100", None) == 1.0
+
+
+# ---------------------------------------------------------------- stage 2: NCF
+def test_ncf_learns_slowdowns_within_seconds():
+    rows = slowdown_table(seed=0)
+    rng = np.random.default_rng(0)
+    idx = rng.permutation(len(rows))
+    test, train = [rows[i] for i in idx[:30]], [rows[i] for i in idx[30:]]
+    p = InterferencePredictor(sorted({r[0] for r in rows}), sorted({r[1] for r in rows}), sorted({r[2] for r in rows}), seed=0)
+    untrained = p.mse(test)
+    mean = float(np.mean(np.log([r[3] for r in train])))
+    baseline = float(np.mean((np.log([r[3] for r in test]) - mean) ** 2))
+    p.fit(train, epochs=300, seconds=5.0)
+    assert p.mse(test) < 0.5 * baseline and p.mse(test) < 0.2 * untrained
+
+
+def test_ncf_round_trip_and_transfer(tmp_path):
+    p = InterferencePredictor.load()
+    q = InterferencePredictor.load(p.save(tmp_path / "n.npz"))
+    assert q.predict("bert", "t4", "video") == pytest.approx(p.predict("bert", "t4", "video"))
+    with pytest.raises(ValueError, match="unknown device 'h100'.*transfer"):
+        p.predict("bert", "h100", "video")
+    t, stats = transfer_ncf([("bert", "h100", "video", 1.2), ("bert", "h100", "etl", 1.05)], source=p, epochs=100)
+    assert stats["after_mse_log"] < stats["before_mse_log"]
+    assert t.predict("bert", "h100", "video") == pytest.approx(1.2, rel=0.05)
+    assert t.predict("bert", "t4", "video") == pytest.approx(p.predict("bert", "t4", "video"), rel=0.1)
+
+
+def test_relocation_moves_off_an_interfered_slot(tmp_path):
+    p = InterferencePredictor.load()
+    slots = [{"device": "t4", "corunner": "video"}, {"device": "v100", "corunner": None},
+             {"device": "t4", "corunner": None}]
+    plan = plan_relocation(p, "training", slots, world_size=2, global_batch=64,
+                           device_times={"t4": (0.006, 0.0012), "v100": (0.005, 0.0005)})
+    assert sorted(plan.mapping) == [1, 2] and plan.predicted_gain > 0.05
+    with pytest.warns(RuntimeWarning, match=r"predicted to make steps \d+\.\d% faster"):
+        spec = write_restart_spec(tmp_path / "restart.json", plan, slots)
+    data = json.loads(spec.read_text())  # type: ignore[union-attr]
+    assert data["moves"] and data["predicted_gain"] == pytest.approx(plan.predicted_gain)
+
+
+# ---------------------------------------------------------------- CLI
+def test_cli_simulate_json(capsys):
+    assert cli_main(["simulate", "interference", "--json", "--epochs", "3", "--allocators", "equal_finish,dqn,auto"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scenario"] == "interference" and out["world_size"] == 8 and out["epochs"] == 3
+    assert set(out["results"]) == {"equal_finish", "dqn", "auto"}
+    for r in out["results"].values():
+        assert {"total_time", "samples_per_s", "time_vs_equal_finish", "final_plan", "decision_ms"} <= set(r)
+        assert sum(r["final_plan"]) == 512 and len(r["epoch_times"]) == 3
+    assert out["results"]["auto"]["last_choice"] in ("dqn", "equal_finish")
+
+
+def test_cli_simulate_bad_scenario(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**BASE, "global_batch": -3}))
+    assert cli_main(["simulate", str(bad)]) == 2
+    assert "`global_batch`" in capsys.readouterr().err
