@@ -25,12 +25,15 @@ def render_table(ddp: dict[str, Any], hetero: dict[str, Any]) -> str:
     for d, h in zip(ddp["epochs"], hetero["epochs"]):
         dh = ddp["plan_history"][n] if n < len(ddp["plan_history"]) else {}
         hh = hetero["plan_history"][n] if n < len(hetero["plan_history"]) else {}
-        samples = sum(hh.get("batch_sizes", [0])) and hh.get("samples", 0)
+        samples = hh.get("samples", 0)  # the same data every epoch, in both runs
+        sizes = str(hh.get("batch_sizes", ""))
+        for change in hh.get("plan_changes", []):
+            sizes += f" -> {change['batch_sizes']} from step {change['step']}"
         lines.append(
             f"{n:>5} | {d['train_time']:>11.2f} {samples / d['train_time'] if samples else 0:>9.0f} "
             f"{dh.get('straggler_level', float('nan')):>9.2f} | {h['train_time']:>8.2f} "
             f"{samples / h['train_time'] if samples else 0:>9.0f} {hh.get('straggler_level', float('nan')):>9.2f} "
-            f"{str(hh.get('batch_sizes', '')):<22}"
+            f"{sizes}"
         )
         n += 1
     speedup = steady_mean(ddp, 1) / steady_mean(hetero, 1)
