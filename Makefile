@@ -5,7 +5,7 @@ PYTHON ?= python3
 STAMP := $(VENV)/.hetero-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install horovod demo test bench clean
+.PHONY: install horovod demo test bench bench-scheduler clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP) $(HVD_STAMP)
 bench: $(STAMP) $(HVD_STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/horovod_bench.py --out bench_output/horovod.json
 	$(VENV)/bin/hetero-plugins bench --horovod-json bench_output/horovod.json
+
+# The learned scheduler (issue 4) against its targets on the simulator; updates the table in docs/scheduler.md.
+bench-scheduler: $(STAMP)
+	$(PY) benchmarks/scheduler_bench.py --out bench_output/scheduler.json --update-docs docs/scheduler.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

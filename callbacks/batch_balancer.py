@@ -44,15 +44,28 @@ from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchBalancer"]
+__all__ = ["BatchBalancer", "resolve_policy"]
+
+
+def resolve_policy(allocator: str | Allocator | None, policy: str | Allocator | None) -> str | Allocator:
+    """``allocator`` and its alias ``policy``: the one given (default ``"equal_finish"``); both must agree."""
+    if allocator is not None and policy is not None and allocator != policy:
+        raise ValueError(
+            f"`allocator`={allocator!r} and `policy`={policy!r} disagree; `policy` is an alias of `allocator`. "
+            "HINT: give only one of them."
+        )
+    chosen = policy if policy is not None else allocator
+    return "equal_finish" if chosen is None else chosen
 
 
 class BatchBalancer(Callback):
     """Rebalances per-rank batch sizes every epoch and weights gradients by each rank's samples.
 
     Args:
-        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
-            :class:`~hetero_plugins.allocators.Allocator`.
+        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, the learned
+            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.allocators.Allocator`.
+        policy: alias of ``allocator`` (the learned scheduler's name for it, e.g. ``policy="auto"``); giving
+            both with different values is an error.
         min_batch_size: smallest local batch a rank may get (raise it for BatchNorm models).
         max_batch_size: largest local batch a rank may get; ``None`` for no cap besides measured GPU memory.
         min_gain: a new plan must be predicted this much faster (relative) to replace the current one.
@@ -77,7 +90,7 @@ class BatchBalancer(Callback):
 
     def __init__(
         self,
-        allocator: str | Allocator = "equal_finish",
+        allocator: str | Allocator | None = None,
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
@@ -87,7 +100,9 @@ class BatchBalancer(Callback):
         memory_headroom: float = 0.9,
         log_metrics: bool = True,
         replan_every: int | None = 5,
+        policy: str | Allocator | None = None,
     ) -> None:
+        allocator = resolve_policy(allocator, policy)
         # Validate every option now, in the launching process, before any rank starts.
         probe = BalancePlanner(
             world_size=1, global_batch=max(min_batch_size, 1) if isinstance(min_batch_size, int) else 1,

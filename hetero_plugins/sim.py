@@ -53,12 +53,20 @@ __all__ = [
     "DecisionProblem",
     "Scenario",
     "decision_problems",
+    "best_placement",
     "load_scenario",
+    "oracle",
     "simulate",
 ]
 
-EVENT_KINDS = ("speed", "ramp", "corunner")
+EVENT_KINDS = ("speed", "ramp", "corunner", "lost")
 
+_DEVICE_SCHEMA_HINT = (
+    'a scenario is {"ranks": [{"device": "a100", "corunner": null}, ...], "devices": {"a100": {"cost_per_sample": '
+    '0.001, "overhead": 0.01, "memory_samples": 512}}, "free_slots"?: [{"device", "corunner"}], "global_batch": 1024, '
+    '"epochs"?: 20, "noise"?: 0.05, "events"?: [{"epoch": 5, "rank": 3, "corunner": "memcpy"}], "seed"?: 0} '
+    "(see docs/scheduler.md)"
+)
 _SCHEMA_HINT = (
     "a scenario is {'name', 'global_batch', 'device_types': {name: {'intercept', 'slope', 'max_batch'?}}, "
     "'ranks': [{'device', 'count'?, 'data'?}], 'epochs'?, 'steps_per_epoch'?, 'noise'?, 'seed'?, "
@@ -85,6 +93,11 @@ class Scenario:
         steps_per_epoch: optimizer steps per epoch.
         noise: standard deviation of the multiplicative log-normal step noise.
         seed: seed of the noise.
+        join: epoch at which each rank joins (0: from the start; later: a rank added by an event).
+        leave: epoch from which each rank is lost (``None``: never).
+        allreduce: ``(latency s, gradient bytes, bandwidth bytes/s)`` of the ring all-reduce added to every step,
+            ``latency + 2(n-1)/n * bytes / bandwidth`` for ``n`` active ranks (zeros: no communication cost).
+        free_slots: idle places a rank could be relocated to, each ``{"device", "corunner", "data"}``.
     """
 
     name: str
@@ -101,9 +114,14 @@ class Scenario:
     steps_per_epoch: int
     noise: float
     seed: int
+    join: tuple[int, ...] = ()
+    leave: tuple[int | None, ...] = ()
+    allreduce: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    free_slots: tuple[dict[str, Any], ...] = ()
 
     @property
     def world_size(self) -> int:
+        """Ranks ever present (those that join later and those lost included); see :meth:`ClusterSim.active`."""
         return len(self.device)
 
 
@@ -121,8 +139,135 @@ def _num(field: str, value: Any, *, minimum: float = 0.0, strict: bool = False, 
     return value
 
 
-def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
-    """Validate a scenario given as a built-in name, a JSON file path or a dict.
+#: Slowdown of any device beside these co-runners when a device-form scenario gives no ``interference`` table.
+#: It is the simulator's hidden truth: policies see only the times it produces.
+DEFAULT_CORUNNERS: dict[str, float] = {"memcpy": 1.4, "video": 1.5, "inference": 1.3, "etl": 1.2, "training": 1.6}
+
+_DEVICE_FORM_FIELDS = ("name", "description", "workload", "ranks", "devices", "free_slots", "global_batch", "epochs",
+                       "steps_per_epoch", "noise", "events", "seed", "interference", "allreduce")
+_EVENT_HINT = ('use {"epoch": e, "rank": r, ...} with one of "corunner": name or null (arrives / leaves), '
+               '"speed": factor (time multiplier), "ramp": factor with "over": epochs, "lost": true, '
+               'or {"epoch": e, "add": {"device": name, "corunner": null}} (a rank joins).')
+
+
+def _from_device_form(spec: dict[str, Any], default_name: str) -> dict[str, Any]:
+    """The issue's compact scenario form -> the internal form, validated with the compact form's field names."""
+    for key in spec:
+        if key not in _DEVICE_FORM_FIELDS:
+            raise _err(key, spec[key], f"remove it; known fields are {sorted(_DEVICE_FORM_FIELDS)}.")
+    for key in ("ranks", "devices", "global_batch"):
+        if key not in spec:
+            raise ValueError(f"scenario field `{key}` is missing. HINT: {_DEVICE_SCHEMA_HINT}")
+    devices = spec["devices"]
+    if not isinstance(devices, dict) or not devices:
+        raise _err("devices", devices, 'give at least one device, e.g. {"a100": {"cost_per_sample": 0.001, '
+                   '"overhead": 0.01, "memory_samples": 512}}.')
+    types: dict[str, dict[str, Any]] = {}
+    for d, t in devices.items():
+        f = f"devices.{d}"
+        if not isinstance(t, dict):
+            raise _err(f, t, 'use {"cost_per_sample": seconds, "overhead": seconds per step, "memory_samples": n}.')
+        for k in t:
+            if k not in ("cost_per_sample", "overhead", "memory_samples"):
+                raise _err(f"{f}.{k}", t[k], "remove it; a device has cost_per_sample, overhead and memory_samples.")
+        if "cost_per_sample" not in t:
+            raise ValueError(f"scenario field `{f}.cost_per_sample` is missing. HINT: give seconds per sample, e.g. 0.001.")
+        types[d] = {"slope": _num(f"{f}.cost_per_sample", t["cost_per_sample"], strict=True),
+                    "intercept": _num(f"{f}.overhead", t.get("overhead", 0.0))}
+        if t.get("memory_samples") is not None:
+            types[d]["max_batch"] = _num(f"{f}.memory_samples", t["memory_samples"], minimum=1, integer=True)
+    table = spec.get("interference")
+    if table is None:
+        interference = {c: {d: v for d in types} for c, v in DEFAULT_CORUNNERS.items()}
+    elif isinstance(table, dict):
+        interference = {}
+        for c, row in table.items():
+            if isinstance(row, (int, float)) and not isinstance(row, bool):
+                interference[c] = {d: _num(f"interference.{c}", row, minimum=1.0) for d in types}
+            else:
+                interference[c] = row  # validated (device names, >= 1) by the internal form
+    else:
+        raise _err("interference", table, 'use {"corunner": slowdown} or {"corunner": {"device": slowdown}}.')
+
+    def corunner(field: str, c: Any) -> Any:
+        if c is not None and c not in interference:
+            raise _err(field, c, f"use null or a co-runner of the interference model {sorted(interference)} "
+                       "(or add it to `interference`).")
+        return c
+
+    ranks = spec["ranks"]
+    if not isinstance(ranks, list) or not ranks:
+        raise _err("ranks", ranks, 'give a list of ranks, e.g. [{"device": "a100", "corunner": null}].')
+    groups: list[dict[str, Any]] = []
+    for i, r in enumerate(ranks):
+        f = f"ranks[{i}]"
+        if not isinstance(r, dict) or "device" not in r:
+            raise _err(f, r, 'use {"device": <a name from devices>, "corunner": null or a name}.')
+        for k in r:
+            if k not in ("device", "corunner", "data", "count"):
+                raise _err(f"{f}.{k}", r[k], "remove it; a rank has device, corunner, data (and count).")
+        if r["device"] not in types:
+            raise _err(f"{f}.device", r["device"], f"use one of the devices {sorted(types)}.")
+        groups.append({"device": r["device"], "count": r.get("count", 1), "data": r.get("data", 0.0),
+                       "corunner": corunner(f"{f}.corunner", r.get("corunner"))})
+    n = sum(g["count"] if isinstance(g["count"], int) else 1 for g in groups)
+    events = spec.get("events", [])
+    if not isinstance(events, list):
+        raise _err("events", events, "use a list of events. HINT: " + _EVENT_HINT)
+    out_events: list[dict[str, Any]] = []
+    for k, ev in enumerate(events):
+        f = f"events[{k}]"
+        if not isinstance(ev, dict) or "epoch" not in ev:
+            raise _err(f, ev, _EVENT_HINT)
+        epoch = _num(f"{f}.epoch", ev["epoch"], minimum=0, integer=True)
+        actions = [a for a in ("corunner", "speed", "ramp", "lost", "add") if a in ev]
+        extra = set(ev) - {"epoch", "rank", "ranks", "over", *actions}
+        if len(actions) != 1 or extra:
+            raise _err(f, ev, _EVENT_HINT)
+        act = actions[0]
+        if act == "add":
+            a = ev["add"]
+            if not isinstance(a, dict) or "device" not in a or set(a) - {"device", "corunner", "data"}:
+                raise _err(f"{f}.add", a, 'use {"device": <a name from devices>, "corunner": null or a name}.')
+            if a["device"] not in types:
+                raise _err(f"{f}.add.device", a["device"], f"use one of the devices {sorted(types)}.")
+            groups.append({"device": a["device"], "count": 1, "data": a.get("data", 0.0), "join": epoch,
+                           "corunner": corunner(f"{f}.add.corunner", a.get("corunner"))})
+            n += 1
+            continue
+        rs = ev["ranks"] if "ranks" in ev else [ev.get("rank")]
+        field = f"{f}.ranks" if "ranks" in ev else f"{f}.rank"
+        if not isinstance(rs, list) or not rs or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n for r in rs):
+            raise _err(field, ev.get("ranks", ev.get("rank")), f"use a rank index in [0, {n - 1}] (ranks added by earlier "
+                       "events count after the listed ones).")
+        if act == "corunner":
+            out_events.append({"epoch": epoch, "kind": "corunner", "ranks": rs,
+                               "corunner": corunner(f"{f}.corunner", ev["corunner"])})
+        elif act == "speed":
+            out_events.append({"epoch": epoch, "kind": "speed", "ranks": rs,
+                               "factor": _num(f"{f}.speed", ev["speed"], strict=True)})
+        elif act == "ramp":
+            out_events.append({"epoch": epoch, "kind": "ramp", "ranks": rs, "factor": _num(f"{f}.ramp", ev["ramp"], strict=True),
+                               "epochs": _num(f"{f}.over", ev.get("over", 1), minimum=1, integer=True)})
+        else:
+            if ev["lost"] is not True:
+                raise _err(f"{f}.lost", ev["lost"], "use true (the rank is lost from this epoch on).")
+            out_events.append({"epoch": epoch, "kind": "lost", "ranks": rs})
+    slots = spec.get("free_slots", [])
+    if isinstance(slots, list):
+        for k, slot in enumerate(slots):
+            if isinstance(slot, dict) and slot.get("device") is not None and slot["device"] not in types:
+                raise _err(f"free_slots[{k}].device", slot["device"], f"use one of the devices {sorted(types)}.")
+            if isinstance(slot, dict):
+                corunner(f"free_slots[{k}].corunner", slot.get("corunner"))
+    out = {k: spec[k] for k in ("global_batch", "epochs", "steps_per_epoch", "noise", "seed", "workload", "description",
+                                "allreduce", "free_slots") if k in spec}
+    return {**out, "name": spec.get("name", default_name), "device_types": types, "interference": interference,
+            "ranks": [{k: v for k, v in g.items() if v is not None} for g in groups], "events": out_events}
+
+
+def load_scenario(source: Scenario | str | Path | Mapping[str, Any]) -> Scenario:
+    """Validate a scenario given as a built-in name, a JSON file path or a dict (a :class:`Scenario` passes through).
 
     Raises:
         ValueError: naming the offending field, the value and the fix.
@@ -137,6 +282,8 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
         ...
         ValueError: scenario field `device_types` is invalid: got {}. HINT: give at least one device type, e.g. {"gpu": {"intercept": 0.005, "slope": 0.001}}.
     """
+    if isinstance(source, Scenario):
+        return source
     if isinstance(source, Path) or (isinstance(source, str) and source not in BUILTIN_SCENARIOS):
         path = Path(source)
         if not path.is_file():
@@ -154,8 +301,11 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
         spec = copy.deepcopy(dict(source))
     if not isinstance(spec, dict):
         raise ValueError(f"a scenario must be a JSON object, got {type(spec).__name__}. HINT: {_SCHEMA_HINT}")
+    if "devices" in spec:  # the issue's compact form: {"ranks", "devices", "free_slots", "events", ...}
+        default = Path(source).stem if isinstance(source, (str, Path)) and source not in BUILTIN_SCENARIOS else "scenario"
+        spec = _from_device_form(spec, default)
     known = {"name", "global_batch", "device_types", "ranks", "events", "interference", "workload", "epochs",
-             "steps_per_epoch", "noise", "seed", "description"}
+             "steps_per_epoch", "noise", "seed", "description", "allreduce", "free_slots"}
     for key in spec:
         if key not in known:
             raise _err(key, spec[key], f"remove it; known fields are {sorted(known)}.")
@@ -189,24 +339,30 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
         raise _err("ranks", ranks, 'give a list of rank groups, e.g. [{"device": "gpu", "count": 4}].')
     device: list[str] = []
     data: list[float] = []
+    join: list[int] = []
+    initial_corunner: list[tuple[int, int, str, str]] = []  # (rank, join epoch, corunner, field)
     for g, group in enumerate(ranks):
         f = f"ranks[{g}]"
         if not isinstance(group, dict) or "device" not in group:
             raise _err(f, group, 'use {"device": <a name from device_types>, "count": n, "data": seconds}.')
         for key in group:
-            if key not in ("device", "count", "data"):
-                raise _err(f"{f}.{key}", group[key], "remove it; a rank group has device, count and data.")
+            if key not in ("device", "count", "data", "join", "corunner"):
+                raise _err(f"{f}.{key}", group[key], "remove it; a rank group has device, count, data, join and corunner.")
         if group["device"] not in parsed_types:
             raise _err(f"{f}.device", group["device"], f"use one of the device_types {sorted(parsed_types)}.")
         count = _num(f"{f}.count", group.get("count", 1), minimum=1, integer=True)
         d = float(_num(f"{f}.data", group.get("data", 0.0)))
+        j = _num(f"{f}.join", group.get("join", 0), minimum=0, integer=True)
+        if group.get("corunner") is not None:
+            initial_corunner += [(len(device) + k, j, group["corunner"], f"{f}.corunner") for k in range(count)]
         device += [group["device"]] * count
         data += [d] * count
+        join += [j] * count
     world = len(device)
-    gb = _num("global_batch", spec["global_batch"], minimum=world, integer=True)
+    if 0 not in join:
+        raise _err("ranks", ranks, "at least one rank must be present from epoch 0 (join 0).")
+    gb = _num("global_batch", spec["global_batch"], minimum=join.count(0), integer=True)
     caps = [parsed_types[d][2] for d in device]
-    if all(c is not None for c in caps) and sum(caps) < gb:  # type: ignore[arg-type]
-        raise _err("global_batch", gb, f"the ranks' max_batch sum to {sum(caps)}; lower global_batch or raise max_batch.")  # type: ignore[arg-type]
     interference = spec.get("interference", {})
     if not isinstance(interference, dict):
         raise _err("interference", interference, 'use {"corunner": {"device_type": slowdown >= 1}}.')
@@ -217,10 +373,14 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
             if dname not in parsed_types:
                 raise _err(f"interference.{cname}.{dname}", dname, f"use one of the device_types {sorted(parsed_types)}.")
             _num(f"interference.{cname}.{dname}", v, minimum=1.0)
+    for r, j, c, f in initial_corunner:
+        if c not in interference:
+            raise _err(f, c, f"use null or one of the interference rows {sorted(interference)}.")
     events = spec.get("events", [])
     if not isinstance(events, list):
         raise _err("events", events, "use a list of events.")
-    parsed_events = []
+    parsed_events = [{"epoch": j, "kind": "corunner", "ranks": [r], "corunner": c} for r, j, c, _ in initial_corunner]
+    leave: list[int | None] = [None] * world
     for k, ev in enumerate(events):
         f = f"events[{k}]"
         if not isinstance(ev, dict):
@@ -241,6 +401,9 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
             out["factor"] = float(_num(f"{f}.factor", ev.get("factor"), strict=True))
             if kind == "ramp":
                 out["epochs"] = _num(f"{f}.epochs", ev.get("epochs", 1), minimum=1, integer=True)
+        elif kind == "lost":
+            for r in rs:
+                leave[r] = epoch if leave[r] is None else min(leave[r], epoch)  # type: ignore[type-var]
         else:
             c = ev.get("corunner")
             if c is not None and c not in interference:
@@ -250,6 +413,39 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
     workload = spec.get("workload", "training")
     if not isinstance(workload, str):
         raise _err("workload", workload, "use a string such as 'resnet' or 'training'.")
+    epochs = _num("epochs", spec.get("epochs", 10), minimum=1, integer=True)
+    for e in sorted({0, *join, *(x for x in leave if x is not None)}):
+        act = [r for r in range(world) if join[r] <= e and (leave[r] is None or e < leave[r])]
+        if e < epochs and not act:
+            raise _err("events", events, f"every rank is lost by epoch {e}; keep at least one rank.")
+        if len(act) > gb:
+            raise _err("global_batch", gb, f"{len(act)} ranks are active in epoch {e}; use a global_batch >= {len(act)}.")
+        act_caps = [caps[r] for r in act]
+        if act and all(c is not None for c in act_caps) and sum(act_caps) < gb:  # type: ignore[arg-type]
+            raise _err("global_batch", gb, f"the max_batch of the ranks active in epoch {e} sum to {sum(act_caps)}; "  # type: ignore[arg-type]
+                       "lower global_batch or raise max_batch.")
+    allreduce = spec.get("allreduce")
+    ar = (0.0, 0.0, 0.0)
+    if allreduce is not None:
+        if not isinstance(allreduce, dict) or set(allreduce) - {"latency", "bytes", "bandwidth"}:
+            raise _err("allreduce", allreduce, 'use {"latency": seconds, "bytes": gradient bytes, "bandwidth": bytes per second}.')
+        ar = (float(_num("allreduce.latency", allreduce.get("latency", 0.0))),
+              float(_num("allreduce.bytes", allreduce.get("bytes", 0.0))),
+              float(_num("allreduce.bandwidth", allreduce.get("bandwidth", 1e10), strict=True)))
+    slots = spec.get("free_slots", [])
+    if not isinstance(slots, list):
+        raise _err("free_slots", slots, 'use a list of {"device": <device type>, "corunner": null or a name}.')
+    parsed_slots = []
+    for k, slot in enumerate(slots):
+        f = f"free_slots[{k}]"
+        if not isinstance(slot, dict) or "device" not in slot or set(slot) - {"device", "corunner", "data"}:
+            raise _err(f, slot, 'use {"device": <device type>, "corunner": null or a name, "data": seconds (optional)}.')
+        if slot["device"] not in parsed_types:
+            raise _err(f"{f}.device", slot["device"], f"use one of the device types {sorted(parsed_types)}.")
+        c = slot.get("corunner")
+        if c is not None and c not in interference:
+            raise _err(f"{f}.corunner", c, f"use null or one of the interference rows {sorted(interference)}.")
+        parsed_slots.append({"device": slot["device"], "corunner": c, "data": float(_num(f"{f}.data", slot.get("data", 0.0)))})
     return Scenario(
         name=name,
         global_batch=gb,
@@ -261,10 +457,14 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Scenario:
         events=tuple(parsed_events),
         interference={c: {d: float(v) for d, v in row.items()} for c, row in interference.items()},
         workload=workload,
-        epochs=_num("epochs", spec.get("epochs", 10), minimum=1, integer=True),
+        epochs=epochs,
         steps_per_epoch=_num("steps_per_epoch", spec.get("steps_per_epoch", 20), minimum=1, integer=True),
         noise=float(_num("noise", spec.get("noise", 0.02))),
         seed=_num("seed", spec.get("seed", 0), minimum=0, integer=True),
+        join=tuple(join),
+        leave=tuple(leave),
+        allreduce=ar,
+        free_slots=tuple(parsed_slots),
     )
 
 
@@ -294,7 +494,7 @@ class ClusterSim:
         mult = np.ones(sc.world_size)
         corunner: dict[int, str | None] = {}
         for ev in sc.events:
-            if ev["epoch"] > epoch:
+            if ev["epoch"] > epoch or ev["kind"] == "lost":
                 continue
             for r in ev["ranks"]:
                 if ev["kind"] == "speed":
@@ -323,12 +523,62 @@ class ClusterSim:
         m = self.multipliers(epoch)
         return self._a * m, self._beta * m, self._data.copy()
 
-    def step_times(self, epoch: int, step: int, plan: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``(compute, data)`` seconds of every rank for one step under ``plan``; monotone in each batch size."""
+    def active(self, epoch: int) -> np.ndarray:
+        """Indices of the ranks present in ``epoch`` (ranks join / are lost through events)."""
+        sc = self.scenario
+        if not sc.join:
+            return np.arange(self.world_size)
+        return np.array([r for r in range(self.world_size)
+                         if sc.join[r] <= epoch and (sc.leave[r] is None or epoch < sc.leave[r])], dtype=np.int64)
+
+    def allreduce_time(self, n: int) -> float:
+        """Ring all-reduce seconds per step for ``n`` ranks: ``latency + 2(n-1)/n * bytes / bandwidth``."""
+        latency, nbytes, bandwidth = self.scenario.allreduce
+        if n <= 1 or (latency == 0 and nbytes == 0):
+            return 0.0
+        return float(latency + 2.0 * (n - 1) / n * nbytes / bandwidth)
+
+    def step_times(self, epoch: int, step: int, plan: Sequence[int],
+                   ranks: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(compute, data)`` seconds of ``ranks`` (default: all) for one step under ``plan``; monotone in each batch size."""
         a, beta, data = self.params(epoch)
         noise = self._noise(epoch, step)
+        if ranks is not None:
+            idx = np.asarray(ranks, dtype=np.int64)
+            a, beta, data, noise = a[idx], beta[idx], data[idx], noise[idx]
         compute = (a + beta * np.asarray(plan, dtype=np.float64)) * noise
         return compute, data
+
+    def slots(self, epoch: int) -> list[dict[str, Any]]:
+        """Every place a rank could run in ``epoch``: the active ranks' own (first) and the free slots, each
+        ``{"device", "corunner", "data", "intercept", "slope", "max_batch", "rank"}`` with the *true* times."""
+        sc = self.scenario
+        a, beta, data = self.params(epoch)
+        co = self.corunners(epoch)
+        out = [{"device": sc.device[r], "corunner": co[r], "data": float(data[r]), "intercept": float(a[r]),
+                "slope": float(beta[r]), "max_batch": sc.max_batch[r], "rank": int(r)} for r in self.active(epoch)]
+        types = {d: (i, b, m) for d, i, b, m in zip(sc.device, sc.intercept, sc.slope, sc.max_batch)}
+        for k, slot in enumerate(sc.free_slots):
+            i, b, m = types[slot["device"]]
+            f = sc.interference[slot["corunner"]].get(slot["device"], 1.0) if slot["corunner"] else 1.0
+            out.append({"device": slot["device"], "corunner": slot["corunner"], "data": slot["data"],
+                        "intercept": i * f, "slope": b * f, "max_batch": m, "rank": None, "free_slot": k})
+        return out
+
+    def slot_noise(self, epoch: int, step: int, slots: Sequence[Mapping[str, Any]]) -> np.ndarray:
+        """The step noise of each slot (a rank's own, or a free slot's own stream)."""
+        own = self._noise(epoch, step)
+        free = None
+        out = np.ones(len(slots))
+        for k, slot in enumerate(slots):
+            if slot.get("rank") is not None:
+                out[k] = own[slot["rank"]]
+            elif self.scenario.noise > 0:
+                if free is None:
+                    rng = np.random.default_rng([self.seed, epoch, step, 1])
+                    free = np.exp(rng.normal(0.0, self.scenario.noise, len(self.scenario.free_slots)))
+                out[k] = free[slot["free_slot"]]
+        return out
 
     def _noise(self, epoch: int, step: int) -> np.ndarray:
         if self.scenario.noise == 0:
@@ -358,9 +608,13 @@ def simulate(
     utilisation by other processes and data seconds per step (the Lightning integration does not pass these
     yet: ``telemetry=False`` simulates what a Lightning run gives the learned allocators).
 
+    Ranks lost or added by events restart the planner at the epoch boundary (survivors keep their time
+    models). Every step also pays the scenario's ring all-reduce time.
+
     Returns:
-        dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``plans``, ``straggler_level``
-        per epoch, and ``decision_ms`` (mean wall time of one planning call).
+        dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
+        (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``world_sizes``, ``restarts``, and
+        ``decision_ms`` (mean wall time of one planning call).
     """
     import time
 
@@ -368,24 +622,47 @@ def simulate(
     sc = sim.scenario
     epochs = sc.epochs if epochs is None else int(epochs)
     alloc = get_allocator(allocator) if isinstance(allocator, str) else allocator
-    planner = BalancePlanner(sc.world_size, sc.global_batch, allocator=alloc, min_gain=min_gain)
-    caps = list(sc.max_batch)
-    epoch_times, plans, levels, decide = [], [], [], []
+    planner: BalancePlanner | None = None
+    members: np.ndarray | None = None
+    epoch_times, plans, levels, decide, worlds = [], [], [], [], []
+    restarts = 0
     for e in range(epochs):
+        act = sim.active(e)
+        if members is None or not np.array_equal(act, members):
+            # A rank was lost or added: an elastic restart at the epoch boundary. Survivors keep their time
+            # models; a new rank starts from a survivor's of the same device type (if any), and the first
+            # plan is decided from those models when every rank has one.
+            new = BalancePlanner(len(act), sc.global_batch, allocator=alloc, min_gain=min_gain)
+            if planner is not None and members is not None:
+                restarts += 1
+                old = {int(r): m for r, m in zip(members, planner.models)}
+                for i, r in enumerate(act):
+                    src = old.get(int(r)) or next((m for q, m in old.items() if sc.device[q] == sc.device[r]), None)
+                    if src is not None:
+                        new.models[i] = copy.deepcopy(src)
+                new.memory_caps = [sc.max_batch[r] for r in act]
+                new._observed_steps = new.warmup_steps
+                if all(p is not None for p in new.model_params()):
+                    new.replan()
+            planner, members = new, act
+        assert planner is not None
+        caps = [sc.max_batch[r] for r in act]
+        comm = sim.allreduce_time(len(act))
         plan = list(planner.plan)
         plans.append(plan)
-        records = np.zeros((sc.world_size, sc.steps_per_epoch, 3))
+        worlds.append(len(act))
+        records = np.zeros((len(act), sc.steps_per_epoch, 3))
         total = 0.0
         for s in range(sc.steps_per_epoch):
-            compute, data = sim.step_times(e, s, plan)
+            compute, data = sim.step_times(e, s, plan, act)
             records[:, s, 0] = plan
             records[:, s, 1] = compute
             records[:, s, 2] = data
-            total += float(np.max(compute + data))
+            total += float(np.max(compute + data)) + comm
         epoch_times.append(total)
         levels.append(straggler_level(records[:, :, 1].mean(axis=1) + records[:, :, 2].mean(axis=1)))
         if telemetry and hasattr(alloc, "set_context"):
-            mult = sim.multipliers(e)
+            mult = sim.multipliers(e)[act]
             alloc.set_context(utilisation=list(1.0 - 1.0 / mult), data=list(records[:, :, 2].mean(axis=1)))
         t0 = time.perf_counter()
         planner.end_epoch(e, records, epoch_time=total, memory_caps=caps)
@@ -394,7 +671,10 @@ def simulate(
     return {
         "scenario": sc.name,
         "allocator": getattr(alloc, "name", type(alloc).__name__),
+        "steady_samples_per_s": _steady(sc, epoch_times),
         "world_size": sc.world_size,
+        "world_sizes": worlds,
+        "restarts": restarts,
         "epochs": epochs,
         "epoch_times": epoch_times,
         "total_time": float(sum(epoch_times)),
@@ -403,6 +683,85 @@ def simulate(
         "plans": plans,
         "decision_ms": 1000.0 * float(np.mean(decide)),
     }
+
+
+def _steady(sc: Scenario, epoch_times: Sequence[float]) -> float:
+    """Samples per second after the first epoch (the one every policy spends measuring an equal split)."""
+    rest = list(epoch_times[1:]) or list(epoch_times)
+    return sc.global_batch * sc.steps_per_epoch * len(rest) / float(sum(rest))
+
+
+def best_placement(slots: Sequence[Mapping[str, Any]], n: int, global_batch: int) -> list[int]:
+    """Indices of the ``n`` slots with the shortest equal-finish step time (true times, data included).
+
+    Greedy on speed (``1/slope``, the exact optimum when fixed costs are negligible), then single swaps with
+    the unchosen slots while the exact continuous equal-finish time ``(B + sum c/s) / sum 1/s`` improves
+    (``c``: fixed cost plus data time, ``s``: slope).
+    """
+    c = np.array([float(x["intercept"]) + float(x["data"]) for x in slots])
+    sl = np.array([float(x["slope"]) for x in slots])
+    order = sorted(range(len(slots)), key=lambda k: (sl[k], slots[k].get("rank") is None, k))
+    chosen = order[:n]
+    rest = order[n:]
+
+    def t(ix: list[int]) -> float:
+        return float((global_batch + np.sum(c[ix] / sl[ix])) / np.sum(1.0 / sl[ix]))
+
+    best = t(chosen)
+    improved = bool(rest)
+    while improved:
+        improved = False
+        for i in range(len(chosen)):
+            for j in range(len(rest)):
+                cand = chosen[:i] + [rest[j]] + chosen[i + 1:]
+                v = t(cand)
+                if v < best * (1 - 1e-9):
+                    rest[j], chosen = chosen[i], cand
+                    best, improved = v, True
+    return sorted(chosen)
+
+
+def oracle(
+    scenario: Scenario | str | Path | Mapping[str, Any],
+    epochs: int | None = None,
+    seed: int | None = None,
+    placement: bool = True,
+) -> dict[str, Any]:
+    """The oracle: every epoch, the best placement (over the ranks' own and the free slots) and the
+    equal-finish split on the *true* times (data time included, memory caps respected), run under the same
+    noise as :func:`simulate`. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans`` and
+    ``placements`` (slot descriptions per epoch)."""
+    from hetero_plugins.allocators import Bounds, EqualFinishAllocator
+    from hetero_plugins.time_model import TimeModelParams
+
+    sim = ClusterSim(scenario, seed=seed)
+    sc = sim.scenario
+    epochs = sc.epochs if epochs is None else int(epochs)
+    ef = EqualFinishAllocator()
+    times, plans, placements = [], [], []
+    for e in range(epochs):
+        slots = sim.slots(e)
+        n = len(sim.active(e))
+        pick = best_placement(slots, n, sc.global_batch) if placement and len(slots) > n else list(range(n))
+        chosen = [slots[k] for k in pick]
+        models = [TimeModelParams(x["intercept"] + x["data"], x["slope"]) for x in chosen]
+        bounds = Bounds((1,) * n, tuple(sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen))
+        plan = np.asarray(ef.allocate(models, sc.global_batch, bounds), dtype=np.float64)
+        a = np.array([x["intercept"] for x in chosen])
+        beta = np.array([x["slope"] for x in chosen])
+        data = np.array([x["data"] for x in chosen])
+        comm = sim.allreduce_time(n)
+        total = sum(float(np.max((a + beta * plan) * sim.slot_noise(e, s, chosen) + data)) + comm
+                    for s in range(sc.steps_per_epoch))
+        times.append(total)
+        plans.append([int(b) for b in plan])
+        placements.append([{"device": x["device"], "corunner": x["corunner"], "rank": x["rank"],
+                            "free_slot": x.get("free_slot")} for x in chosen])
+    samples = sc.global_batch * sc.steps_per_epoch * epochs
+    return {"scenario": sc.name, "allocator": "oracle", "epochs": epochs, "epoch_times": times,
+            "steady_samples_per_s": _steady(sc, times),
+            "total_time": float(sum(times)), "samples_per_s": samples / float(sum(times)), "plans": plans,
+            "placements": placements}
 
 
 @dataclass(frozen=True)
@@ -439,15 +798,22 @@ def decision_problems(
     """One :class:`DecisionProblem` per epoch boundary of a scenario (epoch e observed, epoch e+1 true)."""
     sim = ClusterSim(scenario)
     sc = sim.scenario
-    caps = np.array([c if c is not None else sc.global_batch for c in sc.max_batch], dtype=np.float64)
+    all_caps = np.array([c if c is not None else sc.global_batch for c in sc.max_batch], dtype=np.float64)
     out = []
     prev_beta = None
     for e in range(sc.epochs - 1):
-        a, beta, data = sim.params(e)
-        a2, beta2, data2 = sim.params(e + 1)
-        m = sim.multipliers(e)
-        jitter = np.exp(rng.normal(0.0, fit_noise, sc.world_size))
+        act = sim.active(e)
+        if not np.array_equal(act, sim.active(e + 1)):  # membership changes: a restart, no decision to learn
+            prev_beta = None
+            continue
+        a, beta, data = (x[act] for x in sim.params(e))
+        a2, beta2, data2 = (x[act] for x in sim.params(e + 1))
+        m = sim.multipliers(e)[act]
+        caps = all_caps[act]
+        jitter = np.exp(rng.normal(0.0, fit_noise, len(act)))
         obs_beta = beta * jitter
+        if prev_beta is not None and len(prev_beta) != len(obs_beta):
+            prev_beta = None
         out.append(DecisionProblem(
             intercept=a * jitter, slope=obs_beta, prev_slope=obs_beta if prev_beta is None else prev_beta,
             utilisation=1.0 - 1.0 / m, data=data, true_intercept=a2, true_slope=beta2, true_data=data2,
@@ -470,6 +836,8 @@ def _mix(name: str, groups: list[tuple[str, int, float]], gb: int, **extra: Any)
             "cpu": {"intercept": 0.010, "slope": 0.0060, "max_batch": 512},
         },
         "ranks": [{"device": d, "count": n, "data": data} for d, n, data in groups],
+        # Ring all-reduce of ~2.5 M float32 gradients over a 5 GB/s network: ~4 ms per step at 8 ranks.
+        "allreduce": {"latency": 0.0005, "bytes": 1.0e7, "bandwidth": 5.0e9},
         "interference": {
             "video": {"a100": 1.3, "v100": 1.5, "t4": 1.9, "k80": 1.7, "cpu": 1.4},
             "inference": {"a100": 1.15, "v100": 1.25, "t4": 1.5, "k80": 1.35, "cpu": 1.2},
@@ -482,16 +850,41 @@ def _mix(name: str, groups: list[tuple[str, int, float]], gb: int, **extra: Any)
 
 #: Built-in scenarios (JSON form; load with :func:`load_scenario`).
 BUILTIN_SCENARIOS: dict[str, dict[str, Any]] = {
+    # The issue's compact form (devices / ranks with co-runners / events by rank / free slots): an elastic
+    # cluster where a rank is lost and another joins.
+    "elastic": {
+        "name": "elastic",
+        "description": "Elastic cluster in the compact form: a co-runner arrives, a rank is lost, a rank joins.",
+        "devices": {"a100": {"cost_per_sample": 0.00025, "overhead": 0.004, "memory_samples": 1024},
+                    "v100": {"cost_per_sample": 0.0005, "overhead": 0.005, "memory_samples": 512},
+                    "t4": {"cost_per_sample": 0.0012, "overhead": 0.006, "memory_samples": 256}},
+        "ranks": [{"device": "a100", "corunner": None}, {"device": "a100", "corunner": None},
+                  {"device": "v100", "corunner": None}, {"device": "v100", "corunner": "memcpy"},
+                  {"device": "t4", "corunner": None}, {"device": "t4", "corunner": None}],
+        "free_slots": [{"device": "v100", "corunner": None}],
+        "global_batch": 768, "epochs": 12, "steps_per_epoch": 20, "noise": 0.02, "seed": 0,
+        "allreduce": {"latency": 0.0005, "bytes": 1.0e7, "bandwidth": 5.0e9},
+        "events": [{"epoch": 3, "rank": 4, "corunner": "video"}, {"epoch": 5, "rank": 1, "lost": True},
+                   {"epoch": 8, "add": {"device": "v100", "corunner": None}},
+                   {"epoch": 9, "rank": 3, "corunner": None}],
+    },
     "paper_mix": _mix(
         "paper_mix", [("v100", 2, 0.0), ("t4", 2, 0.0), ("k80", 2, 0.0), ("cpu", 2, 0.0)], 512,
         description="CPU-GPU heterogeneous cluster (seed paper's setting, Zhang et al. TPDS 2021); one slowdown.",
         epochs=10, steps_per_epoch=20, noise=0.02,
         events=[{"epoch": 5, "kind": "speed", "ranks": [1], "factor": 1.6}],
     ),
+    "static_mix": _mix(
+        "static_mix", [("v100", 2, 0.0), ("t4", 2, 0.003), ("k80", 2, 0.0), ("cpu", 2, 0.0)], 512,
+        description="A static CPU-GPU mix (no events); two ranks have a slow input pipeline.",
+        epochs=8, steps_per_epoch=20, noise=0.02,
+    ),
     "interference": _mix(
         "interference", [("v100", 4, 0.0), ("t4", 4, 0.0)], 512,
-        description="Co-located streaming jobs arrive on and leave some GPUs (the IAWP stage's setting).",
+        description="Co-located streaming jobs arrive on and leave some GPUs (the IAWP stage's setting); "
+                    "two idle GPUs could take relocated ranks.",
         epochs=10, steps_per_epoch=20, noise=0.02,
+        free_slots=[{"device": "v100", "corunner": None}, {"device": "t4", "corunner": None}],
         events=[
             {"epoch": 2, "kind": "corunner", "ranks": [0, 4], "corunner": "video"},
             {"epoch": 4, "kind": "corunner", "ranks": [5], "corunner": "inference"},

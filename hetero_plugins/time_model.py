@@ -51,6 +51,9 @@ class LinearTimeModel:
         window: most recent observations kept.
         min_group_weight: recency weight a batch size's group needs to count in the line fit.
         min_relative_spread: the line is fitted only when the batch sizes differ by at least this fraction.
+        change_steps: a speed change is declared after this many consecutive steps deviate from the model
+            the same way (0 disables); the model then keeps only those steps.
+        change_threshold: relative deviation (e.g. 0.3 = 30% slower, or 1/1.3 faster) that counts.
 
     Example::
 
@@ -68,14 +71,23 @@ class LinearTimeModel:
         window: int = 512,
         min_group_weight: float = 2.0,
         min_relative_spread: float = 0.15,
+        change_steps: int = 4,
+        change_threshold: float = 0.3,
     ) -> None:
         self.half_life = check_float("half_life", half_life, minimum=0.0, strict_minimum=True)
         self.window = check_int("window", window, minimum=2)
         self.min_group_weight = check_float("min_group_weight", min_group_weight, minimum=0.0)
         self.min_relative_spread = check_float("min_relative_spread", min_relative_spread, minimum=0.0, maximum=1.0)
+        self.change_steps = check_int("change_steps", change_steps, minimum=0)
+        self.change_threshold = check_float("change_threshold", change_threshold, minimum=0.0, strict_minimum=True)
         self._intercept_ratio: float | None = None
         self._obs: deque[tuple[float, float]] = deque(maxlen=self.window)
         self._cache: TimeModelParams | None = None
+        self._ref: TimeModelParams | None = None
+        self._ref_sizes: set[float] = set()
+        self._since_ref = 0
+        self._ratios: deque[float] = deque(maxlen=max(self.change_steps, 1))
+        self.change_points = 0
 
     def __len__(self) -> int:
         return len(self._obs)
@@ -84,8 +96,33 @@ class LinearTimeModel:
         """Record that a step with ``batch_size`` local samples took ``seconds`` of compute."""
         if batch_size <= 0 or not np.isfinite(seconds) or seconds < 0:
             return  # empty or unmeasured steps carry no information
+        if self.change_steps and len(self._obs) >= self.change_steps:
+            # Change-point test against a reference fit refreshed every `change_steps` observations: when the
+            # last `change_steps` steps all deviate the same way by more than `change_threshold`, the rank's
+            # speed has changed (another job took its GPU, or left): forget the old regime at once instead of
+            # waiting for the half-life. A transient one-step stall never triggers it.
+            if self._ref is None or self._since_ref >= self.change_steps:
+                self._ref, self._since_ref = self.params(), 0
+                self._ref_sizes = {b for b, _ in self._obs}
+            self._since_ref += 1
+            expected = self._ref.predict(batch_size) if self._ref is not None else 0.0
+            # Only a batch size the reference has seen tests for a change: at a new size a deviation is the
+            # model's extrapolation error (a fixed cost it has not learned yet), not a change of speed.
+            if expected > 0 and float(batch_size) in self._ref_sizes:
+                self._ratios.append(seconds / expected)
+            else:
+                self._ratios.clear()
         self._obs.append((float(batch_size), float(seconds)))
         self._cache = None
+        r = self._ratios
+        if self.change_steps and len(r) == self.change_steps and (
+            min(r) > 1 + self.change_threshold or max(r) < 1 / (1 + self.change_threshold)
+        ):
+            recent = list(self._obs)[-self.change_steps :]
+            self._obs = deque(recent, maxlen=self.window)
+            self._ratios.clear()
+            self._ref, self._cache = None, None
+            self.change_points += 1
 
     def params(self) -> TimeModelParams | None:
         """The fitted line, or ``None`` before the first observation."""
@@ -143,5 +180,7 @@ class LinearTimeModel:
         self.half_life = float(state["half_life"])
         self.window = int(state["window"])
         self._obs = deque((tuple(o) for o in state["observations"]), maxlen=self.window)  # type: ignore[misc]
+        self._ratios.clear()
+        self._ref, self._since_ref = None, 0
         self._intercept_ratio = state.get("intercept_ratio")
         self._cache = None

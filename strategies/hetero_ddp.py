@@ -36,8 +36,10 @@ class HeteroDDPStrategy(DDPStrategy):
     """``DDPStrategy`` plus per-epoch batch rebalancing and sample-weighted gradient aggregation.
 
     Args:
-        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
-            :class:`~hetero_plugins.allocators.Allocator`.
+        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, the learned
+            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.allocators.Allocator`.
+        policy: alias of ``allocator`` (e.g. ``HeteroDDPStrategy(policy="auto")``); giving both with
+            different values is an error.
         min_batch_size: smallest local batch a rank may get.
         max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
         min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
@@ -60,7 +62,7 @@ class HeteroDDPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        allocator: str | Allocator = "equal_finish",
+        allocator: str | Allocator | None = None,
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
@@ -69,6 +71,7 @@ class HeteroDDPStrategy(DDPStrategy):
         balance_eval: bool = True,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         replan_every: int | None = 5,
+        policy: str | Allocator | None = None,
         **kwargs: Any,
     ) -> None:
         if "ddp_comm_hook" in kwargs:
@@ -82,7 +85,7 @@ class HeteroDDPStrategy(DDPStrategy):
         self.balancer = BatchBalancer(
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
-            replan_every=replan_every,
+            replan_every=replan_every, policy=policy,
         )
 
     @property

@@ -233,3 +233,100 @@ def test_cli_simulate_bad_scenario(capsys, tmp_path):
     bad.write_text(json.dumps({**BASE, "global_batch": -3}))
     assert cli_main(["simulate", str(bad)]) == 2
     assert "`global_batch`" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue-4 shape: compact schema, oracle, CLI
+COMPACT = {
+    "ranks": [{"device": "a100", "corunner": None}, {"device": "a100", "corunner": None},
+              {"device": "t4", "corunner": "memcpy"}],
+    "devices": {"a100": {"cost_per_sample": 0.001, "overhead": 0.01, "memory_samples": 512},
+                "t4": {"cost_per_sample": 0.004, "overhead": 0.01, "memory_samples": 256}},
+    "free_slots": [{"device": "a100", "corunner": None}],
+    "global_batch": 256, "epochs": 6, "noise": 0.05, "seed": 0,
+    "events": [{"epoch": 2, "rank": 1, "corunner": "video"}, {"epoch": 3, "rank": 0, "lost": True},
+               {"epoch": 4, "add": {"device": "t4", "corunner": None}}],
+}
+
+
+def test_compact_schema_of_the_issue():
+    sc = load_scenario(COMPACT)
+    assert sc.world_size == 4 and sc.device[3] == "t4" and sc.join == (0, 0, 0, 4) and sc.leave[0] == 3
+    assert sc.slope[0] == 0.001 and sc.intercept[0] == 0.01 and sc.max_batch[2] == 256 and len(sc.free_slots) == 1
+    sim = ClusterSim(sc)
+    assert sim.corunners(0)[2] == "memcpy" and sim.multipliers(0)[2] > 1.0  # initial co-runner applied
+    assert sim.multipliers(2)[1] > 1.0 == sim.multipliers(1)[1]
+    assert list(sim.active(2)) == [0, 1, 2] and list(sim.active(3)) == [1, 2] and list(sim.active(4)) == [1, 2, 3]
+    r = simulate(sc, "equal_finish")
+    assert r["world_sizes"] == [3, 3, 3, 2, 3, 3] and r["restarts"] == 2
+    assert all(sum(p) == 256 for p in r["plans"])
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"devices": {"a100": {"overhead": 0.01}}}, "devices.a100.cost_per_sample"),
+    ({"devices": {"a100": {"cost_per_sample": -1}}}, "devices.a100.cost_per_sample"),
+    ({"ranks": [{"device": "h100"}]}, "ranks[0].device"),
+    ({"ranks": [{"device": "a100", "corunner": "crypto"}]}, "ranks[0].corunner"),
+    ({"events": [{"epoch": 1, "rank": 9, "corunner": None}]}, "events[0].rank"),
+    ({"events": [{"epoch": 1, "rank": 0, "explode": True}]}, "events[0]"),
+    ({"free_slots": [{"device": "tpu"}]}, "free_slots[0].device"),
+    ({"gpus": 3}, "gpus"),
+])
+def test_compact_schema_errors_name_field_and_fix(patch, field):
+    with pytest.raises(ValueError, match=rf"`{__import__('re').escape(field)}`.*HINT"):
+        load_scenario({**COMPACT, **patch})
+
+
+def test_allreduce_cost_and_oracle():
+    from hetero_plugins.sim import oracle
+
+    sim = ClusterSim("paper_mix")
+    lat, nbytes, bw = sim.scenario.allreduce
+    assert sim.allreduce_time(8) == pytest.approx(lat + 2 * 7 / 8 * nbytes / bw) and sim.allreduce_time(1) == 0.0
+    o = oracle("interference")
+    ef = simulate("interference", "equal_finish")
+    assert o["steady_samples_per_s"] > ef["steady_samples_per_s"]
+    assert any(x["free_slot"] is not None for x in o["placements"][8])  # the oracle uses the idle GPUs
+    assert oracle("interference", placement=False)["steady_samples_per_s"] < o["steady_samples_per_s"]
+
+
+def test_cli_simulate_issue_shape(capsys, tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(COMPACT))
+    assert cli_main(["simulate", "--scenario", str(f), "--policy", "dqn", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    t = out["throughput"]
+    assert set(t) == {"policy", "oracle", "equal_split", "best_analytic"} and out["policy"] == "dqn"
+    assert t["oracle"]["steady_samples_per_s"] >= t["best_analytic"]["steady_samples_per_s"] > t["equal_split"]["steady_samples_per_s"]
+    assert out["decision_ms_per_epoch"]["policy"] > 0 and out["scenario"] == "c"
+    assert cli_main(["simulate", "--scenario", "nope", "--policy", "dqn"]) == 2
+    assert cli_main(["simulate", "--scenario", "paper_mix", "--policy", "magic"]) == 2
+
+
+def test_policy_alias_on_strategy_and_callback():
+    from hetero_plugins.callbacks import BatchBalancer
+    from hetero_plugins.strategies import HeteroDDPStrategy
+
+    assert isinstance(HeteroDDPStrategy(policy="auto").balancer.allocator, AutoAllocator)
+    assert isinstance(BatchBalancer(policy="dqn").allocator, DQNAllocator)
+    assert BatchBalancer(policy="lbb", allocator="lbb").allocator.name == "lbb"
+    assert BatchBalancer().allocator.name == "equal_finish"
+    with pytest.raises(ValueError, match="`allocator`='lbb' and `policy`='auto' disagree.*HINT"):
+        HeteroDDPStrategy(allocator="lbb", policy="auto")
+
+
+def test_dqn_learns_online_from_measured_epochs():
+    spec = {"name": "small", "global_batch": 96, "epochs": 20, "steps_per_epoch": 5, "noise": 0.0,
+            "device_types": {"fast": {"intercept": 0.002, "slope": 0.001}, "slow": {"intercept": 0.004, "slope": 0.004}},
+            "ranks": [{"device": "fast", "count": 2}, {"device": "slow", "count": 2}],
+            "events": [{"epoch": 3, "kind": "speed", "ranks": [0], "factor": 2.0}]}
+    problems = decision_problems({**spec, "epochs": 8}, np.random.default_rng(0))
+    net = QNetwork.random(seed=3)
+    alloc = DQNAllocator(model=net, online=True, online_updates=64, online_lr=1e-3)
+    before = evaluate_dqn(net, problems)
+    simulate(spec, alloc, min_gain=0.0)
+    after = evaluate_dqn(alloc.net, problems)
+    assert alloc.online_stats["decisions"] == 19 and alloc.online_stats["updates"] >= 19 * 64
+    assert after < 0.7 * before, (before, after)
+    frozen = DQNAllocator(model=net)
+    simulate(spec, frozen, epochs=3)
+    assert frozen.net is net  # without online=True nothing is learned

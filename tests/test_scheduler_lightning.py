@@ -1,4 +1,4 @@
-"""HeteroDDPStrategy(allocator="auto") on 2 spawned CPU ranks: the learned scheduler in a real Lightning run."""
+"""HeteroDDPStrategy(policy="auto") on 2 spawned CPU ranks: the learned scheduler in a real Lightning run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 def test_auto_allocator_rebalances_a_lightning_run(tmp_path):
     pl.seed_everything(0)
     t = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method="spawn", allocator="auto"),
+        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method="spawn", policy="auto"),
         callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002), Report(str(tmp_path))],
         max_epochs=3, limit_train_batches=20, limit_val_batches=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -50,3 +50,34 @@ def test_ignores_empty_steps_and_round_trips():
 def test_validation():
     with pytest.raises(ValueError, match="half_life"):
         LinearTimeModel(half_life=0)
+
+
+def test_change_point_adopts_a_new_speed_within_a_few_steps():
+    m = LinearTimeModel()
+    for _ in range(40):
+        m.observe(32, 0.032)
+    for k in range(4):  # the rank becomes 3x slower: declared after 4 consecutive slow steps
+        m.observe(32, 0.096)
+    assert m.change_points == 1 and m.predict(32) == pytest.approx(0.096, rel=0.01)
+    for _ in range(4):  # and back
+        m.observe(32, 0.032)
+    assert m.change_points == 2 and m.predict(32) == pytest.approx(0.032, rel=0.01)
+
+
+def test_isolated_stalls_and_noise_are_not_change_points():
+    rng = np.random.default_rng(1)
+    m = LinearTimeModel()
+    for k in range(300):
+        t = 0.05 * rng.uniform(0.9, 1.1) * (8.0 if k % 10 == 0 else 1.0)
+        m.observe(32, t)
+    assert m.change_points == 0 and m.predict(32) == pytest.approx(0.05, rel=0.06)
+
+
+def test_a_new_batch_size_is_not_mistaken_for_a_speed_change():
+    m = LinearTimeModel()
+    for _ in range(20):
+        m.observe(32, 0.05 + 0.001 * 32)  # a large fixed cost the model cannot see from one batch size
+    for _ in range(8):
+        m.observe(8, 0.05 + 0.001 * 8)  # far above the proportional extrapolation, but the same speed
+    assert m.change_points == 0
+    assert m.params().intercept == pytest.approx(0.05, rel=0.05)  # both sizes kept: the line is learned

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pretrain_main", "simulate_main", "transfer_main"]
+__all__ = ["compare", "pretrain_main", "simulate_main", "transfer_main"]
 
 DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
@@ -27,50 +27,135 @@ def _allocators(text: str) -> list[str]:
     return names
 
 
-def simulate_main(argv: list[str] | None = None) -> int:
-    """Run allocators on a simulated scenario and print a table (or JSON)."""
+ANALYTIC = ("static", "proportional", "equal_finish", "lbb")
+
+
+def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed: int | None = None,
+            analytic: tuple[str, ...] = ANALYTIC) -> dict[str, Any]:
+    """One run of ``policy`` on ``scenario`` beside the oracle, the equal split and the best analytic allocator.
+
+    Throughputs are samples per second of simulated training over all epochs (``samples_per_s``) and after the
+    first, measuring epoch (``steady_samples_per_s``: the oracle knows the true times from the start, every
+    policy spends the first epoch on an equal split to measure them).
+    """
     from hetero_plugins.allocators import get_allocator
+    from hetero_plugins.sim import load_scenario, oracle, simulate
+
+    sc = load_scenario(scenario)
+    alloc = get_allocator(policy)
+    policy = policy if isinstance(policy, str) else alloc.name
+    if "static" not in analytic:
+        analytic = ("static", *analytic)
+    runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed)}
+    for name in analytic:
+        runs[name] = runs["policy"] if name == policy else simulate(sc, name, epochs=epochs, seed=seed)
+    orc = oracle(sc, epochs=epochs, seed=seed)
+    best = max([a for a in analytic if a != "static"] or ["static"], key=lambda a: runs[a]["steady_samples_per_s"])
+
+    def tp(r: dict[str, Any]) -> dict[str, float]:
+        return {"samples_per_s": r["samples_per_s"], "steady_samples_per_s": r["steady_samples_per_s"]}
+
+    pol = runs["policy"]
+    out: dict[str, Any] = {
+        "scenario": sc.name, "policy": policy, "world_size": sc.world_size, "global_batch": sc.global_batch,
+        "epochs": pol["epochs"], "seed": sc.seed if seed is None else seed,
+        "throughput": {"policy": tp(pol), "oracle": tp(orc), "equal_split": tp(runs["static"]),
+                       "best_analytic": {"allocator": best, **tp(runs[best])}},
+        "ratios_steady": {
+            "policy_vs_oracle": pol["steady_samples_per_s"] / orc["steady_samples_per_s"],
+            "policy_vs_equal_split": pol["steady_samples_per_s"] / runs["static"]["steady_samples_per_s"],
+            "policy_vs_best_analytic": pol["steady_samples_per_s"] / runs[best]["steady_samples_per_s"],
+        },
+        "decision_ms_per_epoch": {"policy": pol["decision_ms"],
+                                  **{a: runs[a]["decision_ms"] for a in analytic if a != "static"}},
+        "analytic_steady_samples_per_s": {a: runs[a]["steady_samples_per_s"] for a in analytic},
+        "restarts": pol["restarts"],
+        "policy_final_plan": pol["plans"][-1],
+        "oracle_final_placement": orc["placements"][-1],
+    }
+    if hasattr(alloc, "last_choice"):
+        out["policy_last_choice"] = alloc.last_choice
+    return out
+
+
+def simulate_main(argv: list[str] | None = None) -> int:
+    """Run a policy on a simulated cluster beside the oracle, the equal split and the best analytic allocator."""
+    from hetero_plugins.allocators import ALLOCATORS, get_allocator
     from hetero_plugins.sim import BUILTIN_SCENARIOS, load_scenario, simulate
 
     parser = argparse.ArgumentParser(prog="hetero-plugins simulate", description=simulate_main.__doc__)
-    parser.add_argument("scenario", nargs="?", default="paper_mix",
-                        help=f"built-in ({', '.join(BUILTIN_SCENARIOS)}) or a scenario JSON file")
-    parser.add_argument("--allocators", default=DEFAULT_ALLOCATORS, help="comma-separated allocator names")
+    parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO",
+                        help="same as --scenario (kept for compatibility)")
+    parser.add_argument("--scenario", default=None,
+                        help=f"built-in ({', '.join(BUILTIN_SCENARIOS)}) or a scenario JSON file (default paper_mix)")
+    parser.add_argument("--policy", default="auto", help="allocator to evaluate (dqn, auto, equal_finish, ...)")
+    parser.add_argument("--allocators", default=None,
+                        help="instead: a comma-separated list of allocators compared in one table")
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the scenario's)")
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the scenario's)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if args.scenario and args.scenario_pos and args.scenario != args.scenario_pos:
+        print(f"error: two scenarios given ({args.scenario_pos!r} and --scenario {args.scenario!r}). "
+              "HINT: give only --scenario.", file=sys.stderr)
+        return 2
+    name = args.scenario or args.scenario_pos or "paper_mix"
     try:
-        sc = load_scenario(args.scenario)
+        sc = load_scenario(name)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.epochs is not None and args.epochs < 1:
         print(f"error: `--epochs` must be >= 1, got {args.epochs}. HINT: e.g. --epochs 10", file=sys.stderr)
         return 2
+    if args.allocators is None:
+        try:
+            get_allocator(args.policy)
+        except ValueError:
+            print(f"error: `--policy` {args.policy!r} is not an allocator. HINT: use one of {sorted(ALLOCATORS)}.",
+                  file=sys.stderr)
+            return 2
+        out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed)
+        if args.json:
+            print(json.dumps(out, indent=2))
+            return 0
+        t = out["throughput"]
+        print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {out['epochs']} epochs, "
+              f"policy {args.policy}")
+        print("| run | samples/s (all epochs) | samples/s (after epoch 0) |")
+        print("|---|---|---|")
+        for label, key in (("policy " + args.policy, "policy"), ("oracle", "oracle"), ("equal split", "equal_split"),
+                           (f"best analytic ({t['best_analytic']['allocator']})", "best_analytic")):
+            print(f"| {label} | {t[key]['samples_per_s']:.0f} | {t[key]['steady_samples_per_s']:.0f} |")
+        r = out["ratios_steady"]
+        print(f"policy / oracle {r['policy_vs_oracle']:.3f}, / equal split {r['policy_vs_equal_split']:.2f}x, "
+              f"/ best analytic {r['policy_vs_best_analytic']:.3f}; decision "
+              f"{out['decision_ms_per_epoch']['policy']:.2f} ms per epoch")
+        return 0
     results: dict[str, Any] = {}
-    for name in _allocators(args.allocators):
-        alloc = get_allocator(name)
+    for a in _allocators(args.allocators):
+        alloc = get_allocator(a)
         r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed)
         if hasattr(alloc, "last_choice"):
             r["last_choice"] = alloc.last_choice
-        results[name] = r
+        results[a] = r
     ref = results.get("equal_finish")
     for r in results.values():
         r["time_vs_equal_finish"] = None if ref is None else r["total_time"] / ref["total_time"]
         r["final_plan"] = r["plans"][-1]
-    out = {"scenario": sc.name, "world_size": sc.world_size, "global_batch": sc.global_batch,
-           "epochs": next(iter(results.values()))["epochs"], "results": {
-               k: {f: v[f] for f in ("total_time", "samples_per_s", "time_vs_equal_finish", "final_plan", "decision_ms",
-                                    "epoch_times", "straggler_level") + (("last_choice",) if "last_choice" in v else ())}
-               for k, v in results.items()}}
+    table = {"scenario": sc.name, "world_size": sc.world_size, "global_batch": sc.global_batch,
+             "epochs": next(iter(results.values()))["epochs"], "results": {
+                 k: {f: v[f] for f in ("total_time", "samples_per_s", "steady_samples_per_s", "time_vs_equal_finish",
+                                      "final_plan", "decision_ms", "epoch_times", "straggler_level")
+                     + (("last_choice",) if "last_choice" in v else ())}
+                 for k, v in results.items()}}
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(table, indent=2))
         return 0
-    print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {out['epochs']} epochs")
+    print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {table['epochs']} epochs")
     print("| allocator | simulated time (s) | samples/s | vs equal_finish | planner ms/epoch |")
     print("|---|---|---|---|---|")
-    for k, v in out["results"].items():
+    for k, v in table["results"].items():
         rel = "-" if v["time_vs_equal_finish"] is None else f"{v['time_vs_equal_finish']:.3f}"
         print(f"| {k} | {v['total_time']:.3f} | {v['samples_per_s']:.0f} | {rel} | {v['decision_ms']:.1f} |")
     return 0
@@ -106,14 +191,23 @@ def transfer_main(argv: list[str] | None = None) -> int:
     from hetero_plugins.sim import load_scenario
 
     parser = argparse.ArgumentParser(prog="hetero-plugins transfer", description=transfer_main.__doc__)
-    parser.add_argument("scenario", help="built-in scenario name or scenario JSON file of the new cluster")
-    parser.add_argument("--model", default=None, help="source DQN model file (default: shipped)")
+    parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO", help="same as --scenario")
+    parser.add_argument("--scenario", default=None, help="built-in scenario name or scenario JSON file of the new cluster")
+    parser.add_argument("--from", "--model", dest="model", default=None, metavar="MODEL",
+                        help="source DQN model file (default: the shipped one)")
     parser.add_argument("--out", default="dqn_transfer.npz")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    name = args.scenario or args.scenario_pos
+    if name is None:
+        print("error: no scenario given. HINT: hetero-plugins transfer --from MODEL --scenario NAME|FILE", file=sys.stderr)
+        return 2
+    if args.seconds <= 0:
+        print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 20", file=sys.stderr)
+        return 2
     try:
-        sc = load_scenario(args.scenario)
+        sc = load_scenario(name)
         _, stats = transfer_dqn(sc, source=args.model, seconds=args.seconds, seed=args.seed, out=args.out)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
