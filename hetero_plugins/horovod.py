@@ -168,9 +168,22 @@ def segment_layout(num_samples: int, plan: Sequence[int], order: Sequence[int] |
     """
     if order is None:
         return epoch_layout(num_samples, plan, drop_last)
+    plan = tuple(int(b) for b in plan)
     if len(order) == 0:
-        return EpochLayout(tuple(int(b) for b in plan), 0, (), 0)
-    return epoch_layout(len(order), plan, drop_last=False)
+        return EpochLayout(plan, 0, (), 0)
+    layout = epoch_layout(len(order), plan, drop_last=False, pad_to_world_size=False)
+    if layout.padding and layout.full_steps >= 1:
+        # A remainder shorter than the new world size joins the last full step (one slightly larger global
+        # batch, still exactly weighted) instead of borrowing repeated samples: an elastic resize then
+        # never repeats a sample, whatever the step at which it happened.
+        rest = len(order) - layout.full_steps * sum(plan)
+        exact = [rest * b / sum(plan) for b in plan]
+        extra = [int(x) for x in exact]
+        for i in sorted(range(len(plan)), key=lambda k: (-(exact[k] - extra[k]), k))[: rest - sum(extra)]:
+            extra[i] += 1
+        last = tuple(b + e for b, e in zip(plan, extra))
+        return EpochLayout(plan, layout.full_steps - 1, last, 0)
+    return layout
 
 
 def segment_shards(
