@@ -25,6 +25,8 @@ def run_digits_job(
     label: str | None = None,
     allocator: str = "equal_finish",
     out_dir: str | os.PathLike | None = None,
+    stalls: Any = None,
+    replan_every: int | None = 5,
 ) -> dict[str, Any]:
     """Train the digits CNN on ``len(speeds)`` spawned CPU ranks; return rank 0's record.
 
@@ -33,6 +35,8 @@ def run_digits_job(
         speeds, cost_per_sample, schedule: the emulated cluster (see ``HeterogeneityEmulator``).
         epochs: training epochs; batch_size: per-rank batch at the start (global = batch_size x ranks).
         label: progress-line prefix (``None``: quiet).
+        stalls: transient stalls for the emulator (``Stall`` entries or a ``RandomStalls``).
+        replan_every: the strategy's mid-epoch replanning interval (``None``: epoch ends only).
 
     Returns:
         ``{"epochs": [...], "plan_history": [...]}``: per-epoch train time, wall time, val accuracy and loss,
@@ -55,7 +59,7 @@ def run_digits_job(
     tmp = tempfile.mkdtemp(prefix="hetero-job-", dir=out_dir)
     record = Path(tmp) / "record.json"
     callbacks: list[Any] = [
-        HeterogeneityEmulator(speeds, cost_per_sample=cost_per_sample, schedule=schedule),
+        HeterogeneityEmulator(speeds, cost_per_sample=cost_per_sample, schedule=schedule, stalls=stalls),
         RunRecorder(record, label=label),
     ]
     if mode == "ddp":
@@ -64,7 +68,7 @@ def run_digits_job(
     else:
         from hetero_plugins.strategies import HeteroDDPStrategy
 
-        strategy = HeteroDDPStrategy(start_method="spawn", allocator=allocator)
+        strategy = HeteroDDPStrategy(start_method="spawn", allocator=allocator, replan_every=replan_every)
     trainer = pl.Trainer(
         accelerator="cpu", devices=len(speeds), strategy=strategy, max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
