@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from hetero_plugins.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 
 __all__ = ["HeteroDDPStrategy"]
 
@@ -32,7 +33,7 @@ __all__ = ["HeteroDDPStrategy"]
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-class HeteroDDPStrategy(DDPStrategy):
+class HeteroDDPStrategy(BalancedStrategyMixin, DDPStrategy):
     """``DDPStrategy`` plus per-epoch batch rebalancing and sample-weighted gradient aggregation.
 
     Args:
@@ -87,21 +88,6 @@ class HeteroDDPStrategy(DDPStrategy):
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
             replan_every=replan_every, policy=policy,
         )
-
-    @property
-    def batch_plan(self) -> list[int] | None:
-        return self.balancer.batch_plan
-
-    @property
-    def plan_history(self) -> list[dict[str, Any]]:
-        return self.balancer.plan_history
-
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        trainer = model.trainer
-        if not any(cb is self.balancer for cb in trainer.callbacks):
-            trainer.callbacks.append(self.balancer)
 
     @override
     def configure_ddp(self) -> None:

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from hetero_plugins.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 from hetero_plugins.horovod import GradientWeighting, _hvd
 
 __all__ = ["HeteroHorovodStrategy", "HorovodEnvironment"]
@@ -103,12 +104,12 @@ class HorovodEnvironment(ClusterEnvironment):
         return self._get("cross_rank", "HOROVOD_CROSS_RANK")
 
 
-class HeteroHorovodStrategy(ParallelStrategy):
+class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
     """Horovod data parallelism plus per-epoch batch rebalancing and sample-weighted gradient sums.
 
     Args:
-        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
-            :class:`~hetero_plugins.allocators.Allocator`.
+        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, ``"dqn"``,
+            ``"auto"`` or an :class:`~hetero_plugins.allocators.Allocator`.
         min_batch_size: smallest local batch a rank may get.
         max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
         min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
@@ -116,6 +117,9 @@ class HeteroHorovodStrategy(ParallelStrategy):
         locality: keep each rank's data shard across epochs and plan changes (LOFT); by default the step
             unions are exactly DistributedSampler's.
         balance_eval: per-rank batch sizes for validation, test and predict loaders too.
+        replan_every: steps between mid-epoch exchanges of step times, after which the plan may change for
+            the rest of the epoch (``None``: plans change at epoch ends only).
+        policy: alias of ``allocator`` (e.g. ``"auto"``, ``"dqn"``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.ParallelStrategy` (``accelerator``,
             ``checkpoint_io``, ``precision_plugin``).
 
@@ -135,13 +139,15 @@ class HeteroHorovodStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        allocator: str | Allocator = "equal_finish",
+        allocator: str | Allocator | None = None,
         min_batch_size: int = 1,
         max_batch_size: int | None = None,
         min_gain: float = 0.03,
         half_life: float = 6.0,
         locality: bool = False,
         balance_eval: bool = True,
+        replan_every: int | None = 5,
+        policy: str | Allocator | None = None,
         **kwargs: Any,
     ) -> None:
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
@@ -153,18 +159,10 @@ class HeteroHorovodStrategy(ParallelStrategy):
         self.balancer = BatchBalancer(
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
+            replan_every=replan_every, policy=policy,
         )
         self._auto_sync = False
         self._weightings: list[GradientWeighting] = []
-
-    # ------------------------------------------------------------------ balancer surface
-    @property
-    def batch_plan(self) -> list[int] | None:
-        return self.balancer.batch_plan
-
-    @property
-    def plan_history(self) -> list[dict[str, Any]]:
-        return self.balancer.plan_history
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -196,13 +194,6 @@ class HeteroHorovodStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ set-up
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        trainer = model.trainer
-        if not any(cb is self.balancer for cb in trainer.callbacks):
-            trainer.callbacks.append(self.balancer)
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         hvd = _hvd()

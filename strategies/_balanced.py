@@ -1,0 +1,35 @@
+"""What both balanced strategies share: the bundled ``BatchBalancer`` and its public surface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+
+__all__ = ["BalancedStrategyMixin"]
+
+
+class BalancedStrategyMixin:
+    """Holds ``self.balancer`` (a :class:`~hetero_plugins.callbacks.BatchBalancer`), exposes ``batch_plan`` and
+    ``plan_history``, and puts the balancer among the Trainer's callbacks when the model is connected (before
+    checkpoint state is restored, so the balancer's state comes back on resume)."""
+
+    balancer: BatchBalancer
+
+    @property
+    def batch_plan(self) -> list[int] | None:
+        """Current per-rank batch sizes, global-rank order (``None`` before training starts)."""
+        return self.balancer.batch_plan
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        """One dict per epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`)."""
+        return self.balancer.plan_history
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)  # type: ignore[misc]
+        trainer = model.trainer
+        if not any(cb is self.balancer for cb in trainer.callbacks):
+            trainer.callbacks.append(self.balancer)
