@@ -368,7 +368,7 @@ class BatchBalancer(Callback):
             return dl
         positions = inner.dataset  # Lightning's wrapper: position -> index of the user's sampler order
         order = [int(positions[p]) for p in range(len(positions))]  # type: ignore[arg-type]
-        plan = self._plan_for(trainer, False, len(order), local, trainer.world_size)
+        plan = self._plan_for(trainer, False, local, trainer.world_size)
         self._predict_ordered = True
         return _loader_like(dl, HeteroInferenceBatchSampler(order, plan, trainer.global_rank))
 
@@ -447,7 +447,7 @@ class BatchBalancer(Callback):
                 return False
             n = len(sampler.dataset)  # type: ignore[arg-type]
             drop_last = bool(sampler.drop_last or bs.drop_last)  # type: ignore[union-attr]
-            plan = self._plan_for(trainer, train, n, int(local_batch), world, dl=dl)  # type: ignore[arg-type]
+            plan = self._plan_for(trainer, train, int(local_batch), world, dl=dl)  # type: ignore[arg-type]
             sampler = HeteroDistributedSampler(
                 n, plan, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=drop_last,
                 locality=self.locality, pad_to_world_size=train,
@@ -456,7 +456,7 @@ class BatchBalancer(Callback):
             bs.sampler = sampler  # type: ignore[union-attr]
         else:
             local = sampler.batch_size if local_batch is None else int(local_batch)
-            plan = self._plan_for(trainer, train, sampler.num_samples, local, world, current=sampler.plan, dl=dl)
+            plan = self._plan_for(trainer, train, local, world, current=sampler.plan, dl=dl)
             if isinstance(bs, HeteroBatchSampler):
                 bs.set_plan(plan)
             else:
@@ -468,7 +468,7 @@ class BatchBalancer(Callback):
         return True
 
     def _plan_for(
-        self, trainer: pl.Trainer, train: bool, n: int, local_batch: int, world: int,
+        self, trainer: pl.Trainer, train: bool, local_batch: int, world: int,
         current: Sequence[int] | None = None,
         dl: object = None,
     ) -> list[int]:

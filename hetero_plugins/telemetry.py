@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,3 @@ class SystemMonitor:
             except Exception as err:
                 log.debug("SystemMonitor: NVML read failed (%s)", err)
         return out
-
-    @staticmethod
-    def record_dict(rec: StepRecord) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(rec).items()}
