@@ -136,6 +136,9 @@ class BatchBalancer(Callback):
         self._warned: set[str] = set()
         self._predict_ordered = False
         self._system: SystemMonitor | None = None
+        #: Set by an aggregation mode that carries samples between steps (``"deadline"``): returns each rank's
+        #: backlog per step (the same on every rank), which mid-epoch plans route around.
+        self.backlog_fn: Any = None
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -241,8 +244,11 @@ class BatchBalancer(Callback):
             return
         fresh = self._gather_new_records(trainer)
         self.planner.replan(fresh)
-        plan = [int(b) for b in trainer.strategy.broadcast(list(self.planner.plan), src=0)]
-        self.planner.plan = plan
+        backlog = self.backlog_fn() if self.backlog_fn is not None else None
+        routed = self.planner.plan_with_backlog(backlog) if backlog else list(self.planner.plan)
+        base, plan = trainer.strategy.broadcast((list(self.planner.plan), routed), src=0)
+        self.planner.plan = [int(b) for b in base]
+        plan = [int(b) for b in plan]
         if tuple(plan) != tuple(own.plan):
             own.set_plan(plan, from_step=done + lookahead)
             self._plan_changes.append({"step": done + lookahead, "batch_sizes": plan})

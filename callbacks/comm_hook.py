@@ -29,15 +29,17 @@ class WeightedAllreduceState:
         process_group: the group to all-reduce over (``None``: the default group).
         timer: telemetry to notify when a bucket of gradients is ready (optional).
         calls: number of buckets reduced so far (for diagnostics and tests).
+        bytes: bytes of gradient buckets this rank sent into all-reduces so far.
     """
 
-    __slots__ = ("calls", "process_group", "timer", "weight")
+    __slots__ = ("bytes", "calls", "process_group", "timer", "weight")
 
     def __init__(self, weight: float, process_group: Any = None, timer: Optional[StepTimer] = None) -> None:
         self.weight = float(weight)
         self.process_group = process_group
         self.timer = timer
         self.calls = 0
+        self.bytes = 0
 
 
 def weighted_allreduce_hook(state: WeightedAllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -46,6 +48,7 @@ def weighted_allreduce_hook(state: WeightedAllreduceState, bucket: dist.GradBuck
         state.timer.mark_gradients_ready()
     state.calls += 1
     buffer = bucket.buffer()
+    state.bytes += buffer.numel() * buffer.element_size()
     buffer.mul_(state.weight)
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -1,6 +1,7 @@
 """``HeterogeneityEmulator``: make any machine behave like a heterogeneous cluster.
 
-Before backward, each rank sleeps ``cost_per_sample * local_batch / speed`` seconds (times a stall factor),
+Before backward, each rank sleeps ``cost_per_sample * local_batch / speed`` seconds (times a stall factor;
+per micro-batch under the micro-batched aggregation modes),
 so a rank at speed 0.25 takes four times as long per sample as one at speed 1. Sleeping uses no CPU, so four
 emulated ranks run faithfully on a 2-core machine as long as the real compute is small next to the delays.
 """
@@ -63,7 +64,12 @@ class HeterogeneityEmulator(Callback):
         self._step = batch_idx
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        delay = self.model.delay(trainer.global_rank, trainer.current_epoch, self._step, self._batch)
+        # Micro-batched aggregation modes back-propagate each micro-batch; the strategy says how big it is.
+        micro = getattr(trainer.strategy, "micro_batch_samples", None)
+        samples = self._batch if micro is None else int(micro)
+        if samples <= 0:
+            return
+        delay = self.model.delay(trainer.global_rank, trainer.current_epoch, self._step, samples)
         if delay > 0:
             time.sleep(delay)
             self.slept += delay

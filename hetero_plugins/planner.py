@@ -115,6 +115,39 @@ class BalancePlanner:
             return float("nan")
         return max(p.predict(b) for p, b in zip(params, plan))
 
+    def plan_with_backlog(self, backlog: Sequence[float]) -> list[int]:
+        """The current plan re-routed so that ranks with a backlog get fewer new samples per step.
+
+        ``backlog[r]`` is the work (in samples per step) rank r must do on top of its new samples, e.g. the
+        micro-batches that missed a deadline spread over the next steps (``aggregation="deadline"``). The
+        allocator splits the global batch plus the backlog with each rank's lower bound raised by its
+        backlog, and the backlog is then taken off again: the result still sums to the global batch and
+        every rank keeps ``min_batch_size``. Without time models or backlog the plan is returned unchanged.
+
+        Example::
+
+            >>> p = BalancePlanner(world_size=2, global_batch=16)
+            >>> p.observe(np.array([[[8, 0.08, 0.0]] * 3, [[8, 0.08, 0.0]] * 3]))
+            >>> p.plan_with_backlog([0, 4])
+            [10, 6]
+        """
+        extra = [max(0, int(round(c))) for c in backlog]
+        params = self.model_params()
+        if len(extra) != self.world_size or not any(extra) or any(p is None for p in params):
+            return list(self.plan)
+        bounds = self.bounds
+        lo = tuple(m + c for m, c in zip(bounds.min_batch, extra))
+        hi = tuple(max(h + c, m) for h, c, m in zip(bounds.max_batch, extra, lo))
+        total = self.global_batch + sum(extra)
+        try:
+            shifted = Bounds(lo, hi)
+            shifted.check_feasible(total)
+        except ValueError:
+            return list(self.plan)
+        current = [b + c for b, c in zip(self.plan, extra)]
+        proposal = self.allocator.allocate(params, total, shifted, current=current)
+        return [int(b - c) for b, c in zip(proposal, extra)]
+
     def observe(self, records: np.ndarray) -> None:
         """Feed step records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
         records = np.asarray(records, dtype=np.float64)

@@ -201,6 +201,22 @@ class HeteroBatchSampler(Sampler[list[int]]):
             return plan
         return tuple(split_remainder(sum(layout.last_counts), plan))
 
+    def batch_indices(self, step: int, rank: int | None = None) -> list[int]:
+        """The sample indices of ``rank``'s batch at ``step`` (default this rank), under the plans set so far.
+
+        Any rank can compute any other rank's batch (the ``wbsp`` aggregation loads micro-batches of a slower
+        rank's share this way). Needs the default layout (``locality=False``).
+        """
+        s = self.sampler
+        if s.locality:
+            raise ValueError("`batch_indices` needs locality=False: with locality=True shards are per rank.")
+        rank = s.rank if rank is None else rank
+        layout = s.layout
+        order = ddp_order(s.num_samples, layout.padding, s.epoch, s.seed, s.shuffle)
+        counts = self.step_counts(step)
+        lo = step * sum(layout.plan) + sum(counts[:rank])
+        return order[lo : lo + counts[rank]].tolist()
+
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
         if s.locality:

@@ -60,6 +60,10 @@ class StepTimer:
         self._ready = None
         self._batch_size = int(batch_size)
 
+    def set_samples(self, batch_size: int) -> None:
+        """Correct the samples of the step in progress (micro-batched steps learn it at the end)."""
+        self._batch_size = int(batch_size)
+
     def mark_gradients_ready(self) -> None:
         """This rank's gradients (or a bucket of them) are ready; the last call of a step counts."""
         if self._step_start is not None:

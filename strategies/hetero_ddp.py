@@ -18,13 +18,17 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
+from hetero_plugins.aggregation import AggregationOptions
 from hetero_plugins.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 
 __all__ = ["HeteroDDPStrategy"]
@@ -33,7 +37,7 @@ __all__ = ["HeteroDDPStrategy"]
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-class HeteroDDPStrategy(BalancedStrategyMixin, DDPStrategy):
+class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
     """``DDPStrategy`` plus per-epoch batch rebalancing and sample-weighted gradient aggregation.
 
     Args:
@@ -51,6 +55,11 @@ class HeteroDDPStrategy(BalancedStrategyMixin, DDPStrategy):
         timeout: bound on every collective; a rank that dies ends the job after at most this long.
         replan_every: steps between mid-epoch exchanges of step times, after which the plan may change for
             the rest of the epoch (``None``: plans change at epoch ends only).
+        policy: alias of ``allocator`` (e.g. ``policy="auto"``).
+        aggregation: how each step's gradients are combined: ``"weighted"`` (default: every sample counts,
+            weighted by rank share), ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"``, ``"local_sgd"``, or an
+            :class:`~hetero_plugins.aggregation.AggregationOptions` with the mode's options (see
+            :mod:`hetero_plugins.aggregation` for each mode's trade-off).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, DDP keyword arguments...).
 
@@ -73,6 +82,7 @@ class HeteroDDPStrategy(BalancedStrategyMixin, DDPStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         replan_every: int | None = 5,
         policy: str | Allocator | None = None,
+        aggregation: str | AggregationOptions | None = None,
         **kwargs: Any,
     ) -> None:
         if "ddp_comm_hook" in kwargs:
@@ -88,11 +98,46 @@ class HeteroDDPStrategy(BalancedStrategyMixin, DDPStrategy):
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
             replan_every=replan_every, policy=policy,
         )
+        self._init_aggregation(aggregation)
 
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        self.balancer.attach_ddp(self.model, self.world_size)  # type: ignore[arg-type]
+        if not self.aggregation.explicit_sync:
+            self.balancer.attach_ddp(self.model, self.world_size)  # type: ignore[arg-type]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._setup_aggregation(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.aggregation.explicit_sync:
+            return super().training_step(*args, **kwargs)
+        return self._aggregated_training_step(args, kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if not self.aggregation.explicit_sync:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self._aggregated_optimizer_step(optimizer, closure, model, kwargs, super().optimizer_step)
+
+    @override
+    def on_train_end(self) -> None:
+        self._flush_pseudo_sync()
+        super().on_train_end()
+
+    def _allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def _allreduce_sum_async(self, tensor: torch.Tensor) -> Any:
+        return _PendingSum(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), tensor)
+
+    def _store_host(self) -> str:
+        return self.cluster_environment.main_address  # type: ignore[union-attr]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -124,3 +169,14 @@ class HeteroDDPStrategy(BalancedStrategyMixin, DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
+
+
+class _PendingSum:
+    """An all-reduce in flight; ``wait()`` returns the summed tensor."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -58,6 +58,24 @@ class DigitsMLP(pl.LightningModule):
         return DataLoader(digits_datasets(dtype=torch.float64)[1], batch_size=self.hparams.batch_size)
 
 
+class IndexedDigitsMLP(DigitsMLP):
+    """DigitsMLP whose batches carry the sample indices; ``seen[epoch]`` lists the indices this rank trained on
+    (what the aggregation modes must cover exactly once per epoch)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
+        return nn.functional.cross_entropy(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        x, y = digits_datasets(dtype=torch.float64)[0].tensors
+        return DataLoader(TensorDataset(x, y, torch.arange(len(y))), batch_size=self.hparams.batch_size, shuffle=True)
+
+
 class Report(Callback):
     """Every rank writes what it saw: its plan, its history, its batch sizes per epoch, the hook's calls."""
 
@@ -79,6 +97,12 @@ class Report(Callback):
             "hook_calls": hook.calls if hook is not None else 0,
             "strategy_plan": getattr(trainer.strategy, "batch_plan", None),
             "train_batches": trainer.num_training_batches,
+            "seen": getattr(pl_module, "seen", None),
+            "communication_bytes": getattr(trainer.strategy, "communication_bytes", None),
+            "communication_rounds": getattr(trainer.strategy, "communication_rounds", None),
+            "carried_samples": getattr(trainer.strategy, "carried_samples", None),
+            "stolen_samples": getattr(trainer.strategy, "stolen_samples", None),
+            "state": {k: v.tolist() for k, v in pl_module.state_dict().items()},
         }
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(report, f)
