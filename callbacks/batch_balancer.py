@@ -136,8 +136,9 @@ class BatchBalancer(Callback):
         self._warned: set[str] = set()
         self._predict_ordered = False
         self._system: SystemMonitor | None = None
-        #: Set by an aggregation mode that carries samples between steps (``"deadline"``): returns each rank's
-        #: backlog per step (the same on every rank), which mid-epoch plans route around.
+        #: Set by an aggregation mode that carries samples between steps (``"deadline"``): called with the steps
+        #: left in the epoch, returns each rank's backlog per step (the same on every rank), which mid-epoch
+        #: plans route around.
         self.backlog_fn: Any = None
 
     # ------------------------------------------------------------------ public surface
@@ -232,7 +233,9 @@ class BatchBalancer(Callback):
         self.timer.end_step()
         self._epoch_end = time.perf_counter()
         own = self._own_batch_sampler(trainer)
-        if own is None or not self.replan_every or self.planner is None or own.sampler.locality:
+        if own is None or self.planner is None or own.sampler.locality:
+            return
+        if not self.replan_every and self.backlog_fn is None:
             return
         done = batch_idx + 1
         # Batches already drawn by the loader (Lightning prefetches one; workers prefetch more) keep their
@@ -240,20 +243,24 @@ class BatchBalancer(Callback):
         # the same on every rank, so all ranks enter the collectives below together.
         dl = trainer.train_dataloader
         lookahead = 2 + (dl.num_workers * (dl.prefetch_factor or 2) if dl.num_workers else 0)
-        if done % self.replan_every or done + lookahead >= len(own):
+        if done + lookahead >= len(own):
             return
-        fresh = self._gather_new_records(trainer)
-        self.planner.replan(fresh)
-        backlog = self.backlog_fn() if self.backlog_fn is not None else None
-        routed = self.planner.plan_with_backlog(backlog) if backlog else list(self.planner.plan)
-        base, plan = trainer.strategy.broadcast((list(self.planner.plan), routed), src=0)
-        self.planner.plan = [int(b) for b in base]
-        plan = [int(b) for b in plan]
-        if tuple(plan) != tuple(own.plan):
-            own.set_plan(plan, from_step=done + lookahead)
-            self._plan_changes.append({"step": done + lookahead, "batch_sizes": plan})
+        if self.replan_every and done % self.replan_every == 0:
+            fresh = self._gather_new_records(trainer)
+            self.planner.replan(fresh)
+            base = trainer.strategy.broadcast(list(self.planner.plan), src=0)
+            self.planner.plan = [int(b) for b in base]
+        # A backlog (``aggregation="deadline"``) is known identically on every rank, so the re-routed plan
+        # needs no collective and is revisited after every step.
+        backlog = self.backlog_fn(len(own) - done - lookahead) if self.backlog_fn is not None else None
+        plan = self.planner.plan_with_backlog(backlog) if backlog else list(self.planner.plan)
+        start = done + lookahead
+        if tuple(plan) != tuple(own.plan_at(start)):
+            own.set_plan(plan, from_step=start)
+            self._plan_changes = [c for c in self._plan_changes if c["step"] < start]
+            self._plan_changes.append({"step": start, "batch_sizes": plan})
             if trainer.is_global_zero:
-                log.info(f"BatchBalancer: epoch {trainer.current_epoch} step {done + lookahead}: new plan {plan}")
+                log.info(f"BatchBalancer: epoch {trainer.current_epoch} step {start}: new plan {plan}")
 
     def _gather_new_records(self, trainer: pl.Trainer) -> np.ndarray:
         """All ranks' step records since the last exchange, shape (world, steps, 3); kept for the epoch."""

@@ -53,8 +53,8 @@ _OPTIONS_OF = {
 }
 
 _DEFAULTS: dict[str, Any] = {
-    "micro_batches": 4,
-    "deadline_slack": 0.2,
+    "micro_batches": 8,
+    "deadline_slack": 0.5,
     "claim_timeout": 300.0,
     "smoothing": 0.9,
     "min_confidence": 0.5,
@@ -71,10 +71,11 @@ class AggregationOptions:
     Args:
         mode: one of ``"weighted"`` (default), ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"``, ``"local_sgd"``
             (see the table in :mod:`hetero_plugins.aggregation`).
-        micro_batches: ``deadline`` / ``wbsp``: micro-batches each rank's share is cut into (default 4); more
-            gives finer stops and steals at the cost of more, smaller forward passes.
+        micro_batches: ``deadline`` / ``wbsp``: units each rank's share is cut into (default 8): the grain of a
+            deadline stop and of a steal. A rank runs one unit, then, when it is on time, the rest of its share
+            as one piece, so a step costs two forward passes unless a rank is slow.
         deadline_slack: ``deadline``: a step's deadline is ``(1 + deadline_slack)`` times the predicted step
-            time of the plan (default 0.2).
+            time of the plan (default 0.5).
         claim_timeout: ``wbsp``: seconds a rank waits for the shared claim counters before giving up (default
             300).
         smoothing: ``pseudo_sync``: factor beta of the smoothed gradient history (default 0.9).

@@ -27,6 +27,7 @@ __all__ = [
     "batch_length",
     "micro_batch_sizes",
     "split_batch",
+    "take_rows",
 ]
 
 
@@ -77,6 +78,17 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
         out.append(_slice(batch, lo, lo + s, n))
         lo += s
     return out
+
+
+def take_rows(batch: Any, lo: int, hi: int) -> Any:
+    """Samples ``lo:hi`` of a collated batch (the same structure, cut along the first dimension).
+
+    Example::
+
+        >>> take_rows({"x": torch.arange(6)}, 2, 5)["x"].tolist()
+        [2, 3, 4]
+    """
+    return _slice(batch, lo, hi, batch_length(batch))
 
 
 def _slice(batch: Any, lo: int, hi: int, n: int) -> Any:
@@ -221,9 +233,18 @@ class StepClaims:
         n = int(self.store.add(self._key(owner), 1))
         return n - 1 if n <= self.counts[owner] else None
 
+    def claim_many(self, owner: int, count: int) -> range:
+        """The next ``count`` unclaimed micro-batches of ``owner``'s share (fewer, or none, near the end)."""
+        n = int(self.store.add(self._key(owner), int(count)))
+        return range(min(n - int(count), self.counts[owner]), min(n, self.counts[owner]))
+
     def claimed(self, owner: int) -> int:
         """Micro-batches of ``owner``'s share claimed so far (by anyone)."""
         return min(int(self.store.add(self._key(owner), 0)), int(self.counts[owner]))
+
+    def left(self, exclude: int | None = None) -> int:
+        """Micro-batches not yet claimed, over every share but ``exclude``'s."""
+        return sum(self.counts[r] - self.claimed(r) for r in range(len(self.counts)) if r != exclude)
 
     def steal(self, exclude: int) -> tuple[int, int] | None:
         """Claim a micro-batch from the share with most left; ``(owner, index)`` or ``None`` when none is left."""

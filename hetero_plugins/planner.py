@@ -119,34 +119,33 @@ class BalancePlanner:
         """The current plan re-routed so that ranks with a backlog get fewer new samples per step.
 
         ``backlog[r]`` is the work (in samples per step) rank r must do on top of its new samples, e.g. the
-        micro-batches that missed a deadline spread over the next steps (``aggregation="deadline"``). The
-        allocator splits the global batch plus the backlog with each rank's lower bound raised by its
-        backlog, and the backlog is then taken off again: the result still sums to the global batch and
-        every rank keeps ``min_batch_size``. Without time models or backlog the plan is returned unchanged.
+        micro-batches that missed a deadline spread over the next steps (``aggregation="deadline"``). Each
+        rank's new samples shrink by its backlog (down to ``min_batch_size``), and what it gives up goes to
+        the ranks without backlog in proportion to their current shares (proportional to their speeds under
+        an equal-finish plan). The time models are not consulted: the steps that made the backlog are the
+        ones they describe worst. The result still sums to the global batch.
 
         Example::
 
-            >>> p = BalancePlanner(world_size=2, global_batch=16)
-            >>> p.observe(np.array([[[8, 0.08, 0.0]] * 3, [[8, 0.08, 0.0]] * 3]))
-            >>> p.plan_with_backlog([0, 4])
-            [10, 6]
+            >>> p = BalancePlanner(world_size=3, global_batch=30, initial_plan=[15, 10, 5])
+            >>> p.plan_with_backlog([0, 4, 0])
+            [18, 6, 6]
         """
-        extra = [max(0, int(round(c))) for c in backlog]
-        params = self.model_params()
-        if len(extra) != self.world_size or not any(extra) or any(p is None for p in params):
-            return list(self.plan)
+        extra = [max(0.0, float(c)) for c in backlog]
+        plan = list(self.plan)
+        if len(extra) != self.world_size or not any(extra):
+            return plan
         bounds = self.bounds
-        lo = tuple(m + c for m, c in zip(bounds.min_batch, extra))
-        hi = tuple(max(h + c, m) for h, c, m in zip(bounds.max_batch, extra, lo))
-        total = self.global_batch + sum(extra)
-        try:
-            shifted = Bounds(lo, hi)
-            shifted.check_feasible(total)
-        except ValueError:
-            return list(self.plan)
-        current = [b + c for b, c in zip(self.plan, extra)]
-        proposal = self.allocator.allocate(params, total, shifted, current=current)
-        return [int(b - c) for b, c in zip(proposal, extra)]
+        give = [min(c, b - lo) for c, b, lo in zip(extra, plan, bounds.min_batch)]
+        takers = [r for r in range(self.world_size) if extra[r] == 0]
+        if not takers or sum(give) <= 0:
+            return plan
+        pool = sum(give)
+        weights = [plan[r] if r in takers else 0.0 for r in range(self.world_size)]
+        total_w = sum(weights)
+        target = [b - g + pool * w / total_w for b, g, w in zip(plan, give, weights)]
+        lo = tuple(min(b, lo) for b, lo in zip(plan, bounds.min_batch))
+        return largest_remainder(target, self.global_batch, Bounds(lo, bounds.max_batch))
 
     def observe(self, records: np.ndarray) -> None:
         """Feed step records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""

@@ -61,16 +61,11 @@ __all__ = [
 
 EVENT_KINDS = ("speed", "ramp", "corunner", "lost")
 
-_DEVICE_SCHEMA_HINT = (
+_SCHEMA_HINT = (
     'a scenario is {"ranks": [{"device": "a100", "corunner": null}, ...], "devices": {"a100": {"cost_per_sample": '
     '0.001, "overhead": 0.01, "memory_samples": 512}}, "free_slots"?: [{"device", "corunner"}], "global_batch": 1024, '
     '"epochs"?: 20, "noise"?: 0.05, "events"?: [{"epoch": 5, "rank": 3, "corunner": "memcpy"}], "seed"?: 0} '
     "(see docs/scheduler.md)"
-)
-_SCHEMA_HINT = (
-    "a scenario is {'name', 'global_batch', 'device_types': {name: {'intercept', 'slope', 'max_batch'?}}, "
-    "'ranks': [{'device', 'count'?, 'data'?}], 'epochs'?, 'steps_per_epoch'?, 'noise'?, 'seed'?, "
-    "'workload'?, 'interference'?: {corunner: {device_type: slowdown}}, 'events'?: [{'epoch', 'kind', 'ranks', ...}]}"
 )
 
 
@@ -139,30 +134,38 @@ def _num(field: str, value: Any, *, minimum: float = 0.0, strict: bool = False, 
     return value
 
 
-#: Slowdown of any device beside these co-runners when a device-form scenario gives no ``interference`` table.
+#: Slowdown of any device beside these co-runners when a scenario gives no ``interference`` table.
 #: It is the simulator's hidden truth: policies see only the times it produces.
 DEFAULT_CORUNNERS: dict[str, float] = {"memcpy": 1.4, "video": 1.5, "inference": 1.3, "etl": 1.2, "training": 1.6}
 
-_DEVICE_FORM_FIELDS = ("name", "description", "workload", "ranks", "devices", "free_slots", "global_batch", "epochs",
-                       "steps_per_epoch", "noise", "events", "seed", "interference", "allreduce")
-_EVENT_HINT = ('use {"epoch": e, "rank": r, ...} with one of "corunner": name or null (arrives / leaves), '
-               '"speed": factor (time multiplier), "ramp": factor with "over": epochs, "lost": true, '
+SCENARIO_FIELDS = ("name", "description", "workload", "ranks", "devices", "free_slots", "global_batch", "epochs",
+                   "steps_per_epoch", "noise", "events", "seed", "interference", "allreduce")
+_EVENT_HINT = ('use {"epoch": e, "rank": r (or "ranks": [r, ...]), ...} with one of "corunner": name or null '
+               '(arrives / leaves), "speed": factor (time multiplier), "ramp": factor with "over": epochs, "lost": true, '
                'or {"epoch": e, "add": {"device": name, "corunner": null}} (a rank joins).')
 
 
-def _from_device_form(spec: dict[str, Any], default_name: str) -> dict[str, Any]:
-    """The issue's compact scenario form -> the internal form, validated with the compact form's field names."""
+def _parse(spec: dict[str, Any], default_name: str) -> Scenario:
+    """Validate a scenario in the issue's JSON schema (see :func:`load_scenario`) and build the :class:`Scenario`."""
     for key in spec:
-        if key not in _DEVICE_FORM_FIELDS:
-            raise _err(key, spec[key], f"remove it; known fields are {sorted(_DEVICE_FORM_FIELDS)}.")
+        if key == "device_types":
+            raise _err(key, "...", 'the older internal form is not supported; use "devices": {name: {"cost_per_sample": '
+                       's, "overhead": s, "memory_samples": n}} (slope -> cost_per_sample, intercept -> overhead, '
+                       "max_batch -> memory_samples; see docs/scheduler.md).")
+        if key not in SCENARIO_FIELDS:
+            raise _err(key, spec[key], f"remove it; known fields are {sorted(SCENARIO_FIELDS)}.")
     for key in ("ranks", "devices", "global_batch"):
         if key not in spec:
-            raise ValueError(f"scenario field `{key}` is missing. HINT: {_DEVICE_SCHEMA_HINT}")
+            raise ValueError(f"scenario field `{key}` is missing. HINT: {_SCHEMA_HINT}")
+    name = spec.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise _err("name", name, "use a non-empty string.")
+    # ---- devices: (overhead, cost per sample, memory cap)
     devices = spec["devices"]
     if not isinstance(devices, dict) or not devices:
         raise _err("devices", devices, 'give at least one device, e.g. {"a100": {"cost_per_sample": 0.001, '
                    '"overhead": 0.01, "memory_samples": 512}}.')
-    types: dict[str, dict[str, Any]] = {}
+    types: dict[str, tuple[float, float, int | None]] = {}
     for d, t in devices.items():
         f = f"devices.{d}"
         if not isinstance(t, dict):
@@ -172,20 +175,26 @@ def _from_device_form(spec: dict[str, Any], default_name: str) -> dict[str, Any]
                 raise _err(f"{f}.{k}", t[k], "remove it; a device has cost_per_sample, overhead and memory_samples.")
         if "cost_per_sample" not in t:
             raise ValueError(f"scenario field `{f}.cost_per_sample` is missing. HINT: give seconds per sample, e.g. 0.001.")
-        types[d] = {"slope": _num(f"{f}.cost_per_sample", t["cost_per_sample"], strict=True),
-                    "intercept": _num(f"{f}.overhead", t.get("overhead", 0.0))}
-        if t.get("memory_samples") is not None:
-            types[d]["max_batch"] = _num(f"{f}.memory_samples", t["memory_samples"], minimum=1, integer=True)
+        mb = t.get("memory_samples")
+        types[d] = (float(_num(f"{f}.overhead", t.get("overhead", 0.0))),
+                    float(_num(f"{f}.cost_per_sample", t["cost_per_sample"], strict=True)),
+                    None if mb is None else _num(f"{f}.memory_samples", mb, minimum=1, integer=True))
+    # ---- interference: the hidden slowdown table {corunner: {device: factor}}
     table = spec.get("interference")
+    interference: dict[str, dict[str, float]] = {}
     if table is None:
         interference = {c: {d: v for d in types} for c, v in DEFAULT_CORUNNERS.items()}
     elif isinstance(table, dict):
-        interference = {}
         for c, row in table.items():
             if isinstance(row, (int, float)) and not isinstance(row, bool):
-                interference[c] = {d: _num(f"interference.{c}", row, minimum=1.0) for d in types}
+                interference[c] = {d: float(_num(f"interference.{c}", row, minimum=1.0)) for d in types}
+            elif isinstance(row, dict):
+                for d, v in row.items():
+                    if d not in types:
+                        raise _err(f"interference.{c}.{d}", d, f"use one of the devices {sorted(types)}.")
+                interference[c] = {d: float(_num(f"interference.{c}.{d}", v, minimum=1.0)) for d, v in row.items()}
             else:
-                interference[c] = row  # validated (device names, >= 1) by the internal form
+                raise _err(f"interference.{c}", row, 'use a factor >= 1 or {"device": factor >= 1}.')
     else:
         raise _err("interference", table, 'use {"corunner": slowdown} or {"corunner": {"device": slowdown}}.')
 
@@ -195,10 +204,17 @@ def _from_device_form(spec: dict[str, Any], default_name: str) -> dict[str, Any]
                        "(or add it to `interference`).")
         return c
 
+    def rank_data(field: str, v: Any) -> float:
+        return float(_num(field, v))
+
+    # ---- ranks present from epoch 0 (``count`` repeats an entry)
     ranks = spec["ranks"]
     if not isinstance(ranks, list) or not ranks:
         raise _err("ranks", ranks, 'give a list of ranks, e.g. [{"device": "a100", "corunner": null}].')
-    groups: list[dict[str, Any]] = []
+    device: list[str] = []
+    data: list[float] = []
+    join: list[int] = []
+    parsed_events: list[dict[str, Any]] = []
     for i, r in enumerate(ranks):
         f = f"ranks[{i}]"
         if not isinstance(r, dict) or "device" not in r:
@@ -208,13 +224,19 @@ def _from_device_form(spec: dict[str, Any], default_name: str) -> dict[str, Any]
                 raise _err(f"{f}.{k}", r[k], "remove it; a rank has device, corunner, data (and count).")
         if r["device"] not in types:
             raise _err(f"{f}.device", r["device"], f"use one of the devices {sorted(types)}.")
-        groups.append({"device": r["device"], "count": r.get("count", 1), "data": r.get("data", 0.0),
-                       "corunner": corunner(f"{f}.corunner", r.get("corunner"))})
-    n = sum(g["count"] if isinstance(g["count"], int) else 1 for g in groups)
+        count = _num(f"{f}.count", r.get("count", 1), minimum=1, integer=True)
+        c = corunner(f"{f}.corunner", r.get("corunner"))
+        if c is not None:
+            parsed_events.append({"epoch": 0, "kind": "corunner", "ranks": list(range(len(device), len(device) + count)),
+                                  "corunner": c})
+        device += [r["device"]] * count
+        data += [rank_data(f"{f}.data", r.get("data", 0.0))] * count
+        join += [0] * count
+    # ---- events (ranks added by earlier events count after the listed ones)
     events = spec.get("events", [])
     if not isinstance(events, list):
-        raise _err("events", events, "use a list of events. HINT: " + _EVENT_HINT)
-    out_events: list[dict[str, Any]] = []
+        raise _err("events", events, _EVENT_HINT)
+    leave: list[int | None] = [None] * len(device)
     for k, ev in enumerate(events):
         f = f"events[{k}]"
         if not isinstance(ev, dict) or "epoch" not in ev:
@@ -231,59 +253,123 @@ def _from_device_form(spec: dict[str, Any], default_name: str) -> dict[str, Any]
                 raise _err(f"{f}.add", a, 'use {"device": <a name from devices>, "corunner": null or a name}.')
             if a["device"] not in types:
                 raise _err(f"{f}.add.device", a["device"], f"use one of the devices {sorted(types)}.")
-            groups.append({"device": a["device"], "count": 1, "data": a.get("data", 0.0), "join": epoch,
-                           "corunner": corunner(f"{f}.add.corunner", a.get("corunner"))})
-            n += 1
+            c = corunner(f"{f}.add.corunner", a.get("corunner"))
+            if c is not None:
+                parsed_events.append({"epoch": epoch, "kind": "corunner", "ranks": [len(device)], "corunner": c})
+            device.append(a["device"])
+            data.append(rank_data(f"{f}.add.data", a.get("data", 0.0)))
+            join.append(epoch)
+            leave.append(None)
             continue
+        n = len(device)
         rs = ev["ranks"] if "ranks" in ev else [ev.get("rank")]
         field = f"{f}.ranks" if "ranks" in ev else f"{f}.rank"
         if not isinstance(rs, list) or not rs or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n for r in rs):
             raise _err(field, ev.get("ranks", ev.get("rank")), f"use a rank index in [0, {n - 1}] (ranks added by earlier "
                        "events count after the listed ones).")
+        rs = list(rs)
         if act == "corunner":
-            out_events.append({"epoch": epoch, "kind": "corunner", "ranks": rs,
-                               "corunner": corunner(f"{f}.corunner", ev["corunner"])})
+            parsed_events.append({"epoch": epoch, "kind": "corunner", "ranks": rs,
+                                  "corunner": corunner(f"{f}.corunner", ev["corunner"])})
         elif act == "speed":
-            out_events.append({"epoch": epoch, "kind": "speed", "ranks": rs,
-                               "factor": _num(f"{f}.speed", ev["speed"], strict=True)})
+            parsed_events.append({"epoch": epoch, "kind": "speed", "ranks": rs,
+                                  "factor": float(_num(f"{f}.speed", ev["speed"], strict=True))})
         elif act == "ramp":
-            out_events.append({"epoch": epoch, "kind": "ramp", "ranks": rs, "factor": _num(f"{f}.ramp", ev["ramp"], strict=True),
-                               "epochs": _num(f"{f}.over", ev.get("over", 1), minimum=1, integer=True)})
+            parsed_events.append({"epoch": epoch, "kind": "ramp", "ranks": rs,
+                                  "factor": float(_num(f"{f}.ramp", ev["ramp"], strict=True)),
+                                  "epochs": _num(f"{f}.over", ev.get("over", 1), minimum=1, integer=True)})
         else:
             if ev["lost"] is not True:
                 raise _err(f"{f}.lost", ev["lost"], "use true (the rank is lost from this epoch on).")
-            out_events.append({"epoch": epoch, "kind": "lost", "ranks": rs})
+            for r in rs:
+                leave[r] = epoch if leave[r] is None else min(leave[r], epoch)  # type: ignore[type-var]
+            parsed_events.append({"epoch": epoch, "kind": "lost", "ranks": rs})
+    parsed_events.sort(key=lambda ev: ev["epoch"])  # stable: same-epoch events keep the file's order
+    # ---- job
+    epochs = _num("epochs", spec.get("epochs", 10), minimum=1, integer=True)
+    gb = _num("global_batch", spec["global_batch"], minimum=1, integer=True)
+    caps = [types[d][2] for d in device]
+    for e in sorted({0, *join, *(x for x in leave if x is not None)}):
+        if e >= epochs:
+            continue
+        act_r = [r for r in range(len(device)) if join[r] <= e and (leave[r] is None or e < leave[r])]
+        if not act_r:
+            raise _err("events", events, f"every rank is lost by epoch {e}; keep at least one rank.")
+        if len(act_r) > gb:
+            raise _err("global_batch", gb, f"{len(act_r)} ranks are active in epoch {e}; use a global_batch >= {len(act_r)}.")
+        act_caps = [caps[r] for r in act_r]
+        if all(c is not None for c in act_caps) and sum(act_caps) < gb:  # type: ignore[arg-type]
+            raise _err("global_batch", gb, f"the memory_samples of the ranks active in epoch {e} sum to "
+                       f"{sum(act_caps)}; lower global_batch or raise memory_samples.")  # type: ignore[arg-type]
+    workload = spec.get("workload", "training")
+    if not isinstance(workload, str) or not workload:
+        raise _err("workload", workload, "use a string such as 'resnet' or 'training'.")
+    allreduce = spec.get("allreduce")
+    ar = (0.0, 0.0, 0.0)
+    if allreduce is not None:
+        if not isinstance(allreduce, dict) or set(allreduce) - {"latency", "bytes", "bandwidth"}:
+            raise _err("allreduce", allreduce, 'use {"latency": seconds, "bytes": gradient bytes, "bandwidth": bytes per second}.')
+        ar = (float(_num("allreduce.latency", allreduce.get("latency", 0.0))),
+              float(_num("allreduce.bytes", allreduce.get("bytes", 0.0))),
+              float(_num("allreduce.bandwidth", allreduce.get("bandwidth", 1e10), strict=True)))
     slots = spec.get("free_slots", [])
-    if isinstance(slots, list):
-        for k, slot in enumerate(slots):
-            if isinstance(slot, dict) and slot.get("device") is not None and slot["device"] not in types:
-                raise _err(f"free_slots[{k}].device", slot["device"], f"use one of the devices {sorted(types)}.")
-            if isinstance(slot, dict):
-                corunner(f"free_slots[{k}].corunner", slot.get("corunner"))
-    out = {k: spec[k] for k in ("global_batch", "epochs", "steps_per_epoch", "noise", "seed", "workload", "description",
-                                "allreduce", "free_slots") if k in spec}
-    return {**out, "name": spec.get("name", default_name), "device_types": types, "interference": interference,
-            "ranks": [{k: v for k, v in g.items() if v is not None} for g in groups], "events": out_events}
+    if not isinstance(slots, list):
+        raise _err("free_slots", slots, 'use a list of {"device": <a name from devices>, "corunner": null or a name}.')
+    parsed_slots = []
+    for k, slot in enumerate(slots):
+        f = f"free_slots[{k}]"
+        if not isinstance(slot, dict) or "device" not in slot or set(slot) - {"device", "corunner", "data"}:
+            raise _err(f, slot, 'use {"device": <a name from devices>, "corunner": null or a name, "data": seconds (optional)}.')
+        if slot["device"] not in types:
+            raise _err(f"{f}.device", slot["device"], f"use one of the devices {sorted(types)}.")
+        parsed_slots.append({"device": slot["device"], "corunner": corunner(f"{f}.corunner", slot.get("corunner")),
+                             "data": rank_data(f"{f}.data", slot.get("data", 0.0))})
+    return Scenario(
+        name=name,
+        global_batch=gb,
+        device=tuple(device),
+        intercept=tuple(types[d][0] for d in device),
+        slope=tuple(types[d][1] for d in device),
+        max_batch=tuple(caps),
+        data=tuple(data),
+        events=tuple(parsed_events),
+        interference=interference,
+        workload=workload,
+        epochs=epochs,
+        steps_per_epoch=_num("steps_per_epoch", spec.get("steps_per_epoch", 20), minimum=1, integer=True),
+        noise=float(_num("noise", spec.get("noise", 0.02))),
+        seed=_num("seed", spec.get("seed", 0), minimum=0, integer=True),
+        join=tuple(join),
+        leave=tuple(leave),
+        allreduce=ar,
+        free_slots=tuple(parsed_slots),
+    )
 
 
 def load_scenario(source: Scenario | str | Path | Mapping[str, Any]) -> Scenario:
     """Validate a scenario given as a built-in name, a JSON file path or a dict (a :class:`Scenario` passes through).
+
+    The schema is the issue's (documented in docs/scheduler.md): ``ranks`` (``device``, ``corunner``, ``data``,
+    ``count``), ``devices`` (``cost_per_sample``, ``overhead``, ``memory_samples``), ``global_batch`` and the
+    optional ``free_slots``, ``epochs``, ``steps_per_epoch``, ``noise``, ``seed``, ``allreduce``,
+    ``interference``, ``events``, ``name``, ``workload``, ``description``.
 
     Raises:
         ValueError: naming the offending field, the value and the fix.
 
     Example::
 
-        >>> load_scenario({"name": "x", "global_batch": 8, "device_types": {"g": {"intercept": 0, "slope": 1}},
+        >>> load_scenario({"global_batch": 8, "devices": {"g": {"cost_per_sample": 0.001}},
         ...                "ranks": [{"device": "g", "count": 2}]}).world_size
         2
-        >>> load_scenario({"name": "x", "global_batch": 8, "device_types": {}, "ranks": []})
+        >>> load_scenario({"global_batch": 8, "devices": {}, "ranks": []})
         Traceback (most recent call last):
         ...
-        ValueError: scenario field `device_types` is invalid: got {}. HINT: give at least one device type, e.g. {"gpu": {"intercept": 0.005, "slope": 0.001}}.
+        ValueError: scenario field `devices` is invalid: got {}. HINT: give at least one device, e.g. {"a100": {"cost_per_sample": 0.001, "overhead": 0.01, "memory_samples": 512}}.
     """
     if isinstance(source, Scenario):
         return source
+    default = "scenario"
     if isinstance(source, Path) or (isinstance(source, str) and source not in BUILTIN_SCENARIOS):
         path = Path(source)
         if not path.is_file():
@@ -295,177 +381,15 @@ def load_scenario(source: Scenario | str | Path | Mapping[str, Any]) -> Scenario
             spec = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"scenario file {str(path)!r} is not valid JSON: {err}. HINT: fix the JSON syntax.") from err
+        default = path.stem
     elif isinstance(source, str):
         spec = copy.deepcopy(BUILTIN_SCENARIOS[source])
+        default = source
     else:
         spec = copy.deepcopy(dict(source))
     if not isinstance(spec, dict):
         raise ValueError(f"a scenario must be a JSON object, got {type(spec).__name__}. HINT: {_SCHEMA_HINT}")
-    if "devices" in spec:  # the issue's compact form: {"ranks", "devices", "free_slots", "events", ...}
-        default = Path(source).stem if isinstance(source, (str, Path)) and source not in BUILTIN_SCENARIOS else "scenario"
-        spec = _from_device_form(spec, default)
-    known = {"name", "global_batch", "device_types", "ranks", "events", "interference", "workload", "epochs",
-             "steps_per_epoch", "noise", "seed", "description", "allreduce", "free_slots"}
-    for key in spec:
-        if key not in known:
-            raise _err(key, spec[key], f"remove it; known fields are {sorted(known)}.")
-    for key in ("name", "global_batch", "device_types", "ranks"):
-        if key not in spec:
-            raise ValueError(f"scenario field `{key}` is missing. HINT: {_SCHEMA_HINT}")
-    name = spec["name"]
-    if not isinstance(name, str) or not name:
-        raise _err("name", name, "use a non-empty string.")
-    types = spec["device_types"]
-    if not isinstance(types, dict) or not types:
-        raise _err("device_types", types, 'give at least one device type, e.g. {"gpu": {"intercept": 0.005, "slope": 0.001}}.')
-    parsed_types: dict[str, tuple[float, float, int | None]] = {}
-    for tname, t in types.items():
-        f = f"device_types.{tname}"
-        if not isinstance(t, dict):
-            raise _err(f, t, 'use {"intercept": seconds, "slope": seconds per sample, "max_batch": int (optional)}.')
-        for key in t:
-            if key not in ("intercept", "slope", "max_batch"):
-                raise _err(f"{f}.{key}", t[key], "remove it; a device type has intercept, slope and max_batch.")
-        if "slope" not in t:
-            raise ValueError(f"scenario field `{f}.slope` is missing. HINT: give seconds per sample, e.g. 0.001.")
-        slope = _num(f"{f}.slope", t["slope"], strict=True)
-        intercept = _num(f"{f}.intercept", t.get("intercept", 0.0))
-        mb = t.get("max_batch")
-        if mb is not None:
-            mb = _num(f"{f}.max_batch", mb, minimum=1, integer=True)
-        parsed_types[tname] = (float(intercept), float(slope), mb)
-    ranks = spec["ranks"]
-    if not isinstance(ranks, list) or not ranks:
-        raise _err("ranks", ranks, 'give a list of rank groups, e.g. [{"device": "gpu", "count": 4}].')
-    device: list[str] = []
-    data: list[float] = []
-    join: list[int] = []
-    initial_corunner: list[tuple[int, int, str, str]] = []  # (rank, join epoch, corunner, field)
-    for g, group in enumerate(ranks):
-        f = f"ranks[{g}]"
-        if not isinstance(group, dict) or "device" not in group:
-            raise _err(f, group, 'use {"device": <a name from device_types>, "count": n, "data": seconds}.')
-        for key in group:
-            if key not in ("device", "count", "data", "join", "corunner"):
-                raise _err(f"{f}.{key}", group[key], "remove it; a rank group has device, count, data, join and corunner.")
-        if group["device"] not in parsed_types:
-            raise _err(f"{f}.device", group["device"], f"use one of the device_types {sorted(parsed_types)}.")
-        count = _num(f"{f}.count", group.get("count", 1), minimum=1, integer=True)
-        d = float(_num(f"{f}.data", group.get("data", 0.0)))
-        j = _num(f"{f}.join", group.get("join", 0), minimum=0, integer=True)
-        if group.get("corunner") is not None:
-            initial_corunner += [(len(device) + k, j, group["corunner"], f"{f}.corunner") for k in range(count)]
-        device += [group["device"]] * count
-        data += [d] * count
-        join += [j] * count
-    world = len(device)
-    if 0 not in join:
-        raise _err("ranks", ranks, "at least one rank must be present from epoch 0 (join 0).")
-    gb = _num("global_batch", spec["global_batch"], minimum=join.count(0), integer=True)
-    caps = [parsed_types[d][2] for d in device]
-    interference = spec.get("interference", {})
-    if not isinstance(interference, dict):
-        raise _err("interference", interference, 'use {"corunner": {"device_type": slowdown >= 1}}.')
-    for cname, row in interference.items():
-        if not isinstance(row, dict):
-            raise _err(f"interference.{cname}", row, 'use {"device_type": slowdown >= 1}.')
-        for dname, v in row.items():
-            if dname not in parsed_types:
-                raise _err(f"interference.{cname}.{dname}", dname, f"use one of the device_types {sorted(parsed_types)}.")
-            _num(f"interference.{cname}.{dname}", v, minimum=1.0)
-    for r, j, c, f in initial_corunner:
-        if c not in interference:
-            raise _err(f, c, f"use null or one of the interference rows {sorted(interference)}.")
-    events = spec.get("events", [])
-    if not isinstance(events, list):
-        raise _err("events", events, "use a list of events.")
-    parsed_events = [{"epoch": j, "kind": "corunner", "ranks": [r], "corunner": c} for r, j, c, _ in initial_corunner]
-    leave: list[int | None] = [None] * world
-    for k, ev in enumerate(events):
-        f = f"events[{k}]"
-        if not isinstance(ev, dict):
-            raise _err(f, ev, 'use {"epoch": e, "kind": "speed"|"ramp"|"corunner", "ranks": [...], ...}.')
-        kind = ev.get("kind")
-        if kind not in EVENT_KINDS:
-            raise _err(f"{f}.kind", kind, f"use one of {list(EVENT_KINDS)}.")
-        allowed = {"epoch", "kind", "ranks", "factor", "epochs", "corunner"}
-        for key in ev:
-            if key not in allowed:
-                raise _err(f"{f}.{key}", ev[key], f"remove it; an event has {sorted(allowed)}.")
-        epoch = _num(f"{f}.epoch", ev.get("epoch"), minimum=0, integer=True)
-        rs = ev.get("ranks")
-        if not isinstance(rs, list) or not rs or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world for r in rs):
-            raise _err(f"{f}.ranks", rs, f"use a non-empty list of rank indices in [0, {world - 1}].")
-        out: dict[str, Any] = {"epoch": epoch, "kind": kind, "ranks": list(rs)}
-        if kind in ("speed", "ramp"):
-            out["factor"] = float(_num(f"{f}.factor", ev.get("factor"), strict=True))
-            if kind == "ramp":
-                out["epochs"] = _num(f"{f}.epochs", ev.get("epochs", 1), minimum=1, integer=True)
-        elif kind == "lost":
-            for r in rs:
-                leave[r] = epoch if leave[r] is None else min(leave[r], epoch)  # type: ignore[type-var]
-        else:
-            c = ev.get("corunner")
-            if c is not None and c not in interference:
-                raise _err(f"{f}.corunner", c, f"use null (co-runner leaves) or one of the interference rows {sorted(interference)}.")
-            out["corunner"] = c
-        parsed_events.append(out)
-    workload = spec.get("workload", "training")
-    if not isinstance(workload, str):
-        raise _err("workload", workload, "use a string such as 'resnet' or 'training'.")
-    epochs = _num("epochs", spec.get("epochs", 10), minimum=1, integer=True)
-    for e in sorted({0, *join, *(x for x in leave if x is not None)}):
-        act = [r for r in range(world) if join[r] <= e and (leave[r] is None or e < leave[r])]
-        if e < epochs and not act:
-            raise _err("events", events, f"every rank is lost by epoch {e}; keep at least one rank.")
-        if len(act) > gb:
-            raise _err("global_batch", gb, f"{len(act)} ranks are active in epoch {e}; use a global_batch >= {len(act)}.")
-        act_caps = [caps[r] for r in act]
-        if act and all(c is not None for c in act_caps) and sum(act_caps) < gb:  # type: ignore[arg-type]
-            raise _err("global_batch", gb, f"the max_batch of the ranks active in epoch {e} sum to {sum(act_caps)}; "  # type: ignore[arg-type]
-                       "lower global_batch or raise max_batch.")
-    allreduce = spec.get("allreduce")
-    ar = (0.0, 0.0, 0.0)
-    if allreduce is not None:
-        if not isinstance(allreduce, dict) or set(allreduce) - {"latency", "bytes", "bandwidth"}:
-            raise _err("allreduce", allreduce, 'use {"latency": seconds, "bytes": gradient bytes, "bandwidth": bytes per second}.')
-        ar = (float(_num("allreduce.latency", allreduce.get("latency", 0.0))),
-              float(_num("allreduce.bytes", allreduce.get("bytes", 0.0))),
-              float(_num("allreduce.bandwidth", allreduce.get("bandwidth", 1e10), strict=True)))
-    slots = spec.get("free_slots", [])
-    if not isinstance(slots, list):
-        raise _err("free_slots", slots, 'use a list of {"device": <device type>, "corunner": null or a name}.')
-    parsed_slots = []
-    for k, slot in enumerate(slots):
-        f = f"free_slots[{k}]"
-        if not isinstance(slot, dict) or "device" not in slot or set(slot) - {"device", "corunner", "data"}:
-            raise _err(f, slot, 'use {"device": <device type>, "corunner": null or a name, "data": seconds (optional)}.')
-        if slot["device"] not in parsed_types:
-            raise _err(f"{f}.device", slot["device"], f"use one of the device types {sorted(parsed_types)}.")
-        c = slot.get("corunner")
-        if c is not None and c not in interference:
-            raise _err(f"{f}.corunner", c, f"use null or one of the interference rows {sorted(interference)}.")
-        parsed_slots.append({"device": slot["device"], "corunner": c, "data": float(_num(f"{f}.data", slot.get("data", 0.0)))})
-    return Scenario(
-        name=name,
-        global_batch=gb,
-        device=tuple(device),
-        intercept=tuple(parsed_types[d][0] for d in device),
-        slope=tuple(parsed_types[d][1] for d in device),
-        max_batch=tuple(caps),
-        data=tuple(data),
-        events=tuple(parsed_events),
-        interference={c: {d: float(v) for d, v in row.items()} for c, row in interference.items()},
-        workload=workload,
-        epochs=epochs,
-        steps_per_epoch=_num("steps_per_epoch", spec.get("steps_per_epoch", 20), minimum=1, integer=True),
-        noise=float(_num("noise", spec.get("noise", 0.02))),
-        seed=_num("seed", spec.get("seed", 0), minimum=0, integer=True),
-        join=tuple(join),
-        leave=tuple(leave),
-        allreduce=ar,
-        free_slots=tuple(parsed_slots),
-    )
+    return _parse(spec, default)
 
 
 class ClusterSim:
@@ -592,6 +516,21 @@ class ClusterSim:
         return float(np.max(a + beta * np.asarray(plan, dtype=np.float64) + data))
 
 
+class _PolicyPlanner(BalancePlanner):
+    """The planner in the simulator's loop: the damping gate uses the allocator's own step-time prediction
+    (``allocator.predict_makespan(models, plan)``) when the allocator offers one, e.g. a learned policy whose
+    time models include data time and predicted co-runner slowdowns; otherwise it is the stock planner."""
+
+    def predict_step_time(self, plan: Sequence[int]) -> float:
+        predict = getattr(self.allocator, "predict_makespan", None)
+        if predict is None:
+            return super().predict_step_time(plan)
+        params = self.model_params()
+        if any(p is None for p in params):
+            return float("nan")
+        return float(predict(params, plan))
+
+
 def simulate(
     scenario: Scenario | str | Path | Mapping[str, Any],
     allocator: str | Allocator = "equal_finish",
@@ -604,12 +543,17 @@ def simulate(
 
     Every epoch runs ``steps_per_epoch`` steps under the current plan; the planner observes the measured
     compute times (data time is outside its window, as in :class:`~hetero_plugins.callbacks.BatchBalancer`)
-    and plans the next epoch. With ``telemetry``, allocators with a ``set_context`` method also get per-rank
-    utilisation by other processes and data seconds per step (the Lightning integration does not pass these
-    yet: ``telemetry=False`` simulates what a Lightning run gives the learned allocators).
+    and plans the next epoch. With ``telemetry``, allocators with a ``set_context`` method also get, before
+    each decision, what a real scheduler can observe at that epoch boundary: per-rank ``utilisation`` by other
+    processes and ``data`` seconds per step (both measured in the epoch just run), each rank's ``devices``
+    type, the ``corunners`` it ran beside in that epoch and the ``next_corunners`` placed beside it for the
+    next epoch (co-runner *identities*, as a cluster manager knows them; never their slowdowns, which stay
+    hidden in the scenario's ``interference`` table). The Lightning integration passes none of these yet:
+    ``telemetry=False`` simulates what a Lightning run gives the learned allocators.
 
     Ranks lost or added by events restart the planner at the epoch boundary (survivors keep their time
-    models). Every step also pays the scenario's ring all-reduce time.
+    models). Every step also pays the scenario's ring all-reduce time. The planner's damping gate
+    (``min_gain``) uses the allocator's ``predict_makespan`` where it has one (see :class:`_PolicyPlanner`).
 
     Returns:
         dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
@@ -622,8 +566,11 @@ def simulate(
     sc = sim.scenario
     epochs = sc.epochs if epochs is None else int(epochs)
     alloc = get_allocator(allocator) if isinstance(allocator, str) else allocator
+    context = telemetry and hasattr(alloc, "set_context")
     planner: BalancePlanner | None = None
     members: np.ndarray | None = None
+    measured_co: dict[int, str | None] = {}  # co-runner under which each rank's time model was measured
+    measured_data: dict[int, float] = {}
     epoch_times, plans, levels, decide, worlds = [], [], [], [], []
     restarts = 0
     for e in range(epochs):
@@ -632,17 +579,28 @@ def simulate(
             # A rank was lost or added: an elastic restart at the epoch boundary. Survivors keep their time
             # models; a new rank starts from a survivor's of the same device type (if any), and the first
             # plan is decided from those models when every rank has one.
-            new = BalancePlanner(len(act), sc.global_batch, allocator=alloc, min_gain=min_gain)
+            new = _PolicyPlanner(len(act), sc.global_batch, allocator=alloc, min_gain=min_gain)
             if planner is not None and members is not None:
                 restarts += 1
                 old = {int(r): m for r, m in zip(members, planner.models)}
+                source: list[int | None] = []
                 for i, r in enumerate(act):
-                    src = old.get(int(r)) or next((m for q, m in old.items() if sc.device[q] == sc.device[r]), None)
-                    if src is not None:
-                        new.models[i] = copy.deepcopy(src)
+                    q = int(r) if int(r) in old else next((q for q in old if sc.device[q] == sc.device[r]), None)
+                    source.append(q)
+                    if q is not None:
+                        new.models[i] = copy.deepcopy(old[q])
                 new.memory_caps = [sc.max_batch[r] for r in act]
                 new._observed_steps = new.warmup_steps
                 if all(p is not None for p in new.model_params()):
+                    if context:
+                        nxt = sim.corunners(e)
+                        alloc.set_context(  # type: ignore[union-attr]
+                            utilisation=None,
+                            data=[measured_data.get(int(r), measured_data.get(q, 0.0) if q is not None else 0.0)
+                                  for r, q in zip(act, source)],
+                            devices=[sc.device[r] for r in act],
+                            corunners=[measured_co.get(q) if q is not None else None for q in source],
+                            next_corunners=[nxt[r] for r in act], workload=sc.workload)
                     new.replan()
             planner, members = new, act
         assert planner is not None
@@ -661,9 +619,15 @@ def simulate(
             total += float(np.max(compute + data)) + comm
         epoch_times.append(total)
         levels.append(straggler_level(records[:, :, 1].mean(axis=1) + records[:, :, 2].mean(axis=1)))
-        if telemetry and hasattr(alloc, "set_context"):
+        co_now = sim.corunners(e)
+        measured_co = {int(r): co_now[r] for r in act}
+        measured_data = {int(r): float(d) for r, d in zip(act, records[:, :, 2].mean(axis=1))}
+        if context:
             mult = sim.multipliers(e)[act]
-            alloc.set_context(utilisation=list(1.0 - 1.0 / mult), data=list(records[:, :, 2].mean(axis=1)))
+            co_next = sim.corunners(e + 1)
+            alloc.set_context(utilisation=list(1.0 - 1.0 / mult), data=list(records[:, :, 2].mean(axis=1)),  # type: ignore[union-attr]
+                              devices=[sc.device[r] for r in act], corunners=[co_now[r] for r in act],
+                              next_corunners=[co_next[r] for r in act], workload=sc.workload)
         t0 = time.perf_counter()
         planner.end_epoch(e, records, epoch_time=total, memory_caps=caps)
         decide.append(time.perf_counter() - t0)
@@ -823,19 +787,24 @@ def decision_problems(
     return out
 
 
+#: Device types of the built-in mixes: fixed seconds per step, seconds per sample, largest local batch.
+_MIX_DEVICES: dict[str, dict[str, Any]] = {
+    "a100": {"overhead": 0.004, "cost_per_sample": 0.00025, "memory_samples": 1024},
+    "v100": {"overhead": 0.005, "cost_per_sample": 0.0005, "memory_samples": 512},
+    "t4": {"overhead": 0.006, "cost_per_sample": 0.0012, "memory_samples": 256},
+    "k80": {"overhead": 0.008, "cost_per_sample": 0.0025, "memory_samples": 256},
+    "cpu": {"overhead": 0.010, "cost_per_sample": 0.0060, "memory_samples": 512},
+}
+
+
 def _mix(name: str, groups: list[tuple[str, int, float]], gb: int, **extra: Any) -> dict[str, Any]:
+    """A built-in scenario in the issue's schema: ``groups`` of ``(device, count, data seconds)``."""
     spec = {
         "name": name,
         "global_batch": gb,
         "workload": "training",
-        "device_types": {
-            "a100": {"intercept": 0.004, "slope": 0.00025, "max_batch": 1024},
-            "v100": {"intercept": 0.005, "slope": 0.0005, "max_batch": 512},
-            "t4": {"intercept": 0.006, "slope": 0.0012, "max_batch": 256},
-            "k80": {"intercept": 0.008, "slope": 0.0025, "max_batch": 256},
-            "cpu": {"intercept": 0.010, "slope": 0.0060, "max_batch": 512},
-        },
-        "ranks": [{"device": d, "count": n, "data": data} for d, n, data in groups],
+        "devices": copy.deepcopy(_MIX_DEVICES),
+        "ranks": [{"device": d, "corunner": None, "count": n, "data": data} for d, n, data in groups],
         # Ring all-reduce of ~2.5 M float32 gradients over a 5 GB/s network: ~4 ms per step at 8 ranks.
         "allreduce": {"latency": 0.0005, "bytes": 1.0e7, "bandwidth": 5.0e9},
         "interference": {
@@ -850,11 +819,10 @@ def _mix(name: str, groups: list[tuple[str, int, float]], gb: int, **extra: Any)
 
 #: Built-in scenarios (JSON form; load with :func:`load_scenario`).
 BUILTIN_SCENARIOS: dict[str, dict[str, Any]] = {
-    # The issue's compact form (devices / ranks with co-runners / events by rank / free slots): an elastic
-    # cluster where a rank is lost and another joins.
+    # An elastic cluster where a rank is lost and another joins (the issue's default co-runner table).
     "elastic": {
         "name": "elastic",
-        "description": "Elastic cluster in the compact form: a co-runner arrives, a rank is lost, a rank joins.",
+        "description": "Elastic cluster: a co-runner arrives, a rank is lost, a rank joins.",
         "devices": {"a100": {"cost_per_sample": 0.00025, "overhead": 0.004, "memory_samples": 1024},
                     "v100": {"cost_per_sample": 0.0005, "overhead": 0.005, "memory_samples": 512},
                     "t4": {"cost_per_sample": 0.0012, "overhead": 0.006, "memory_samples": 256}},
@@ -872,7 +840,7 @@ BUILTIN_SCENARIOS: dict[str, dict[str, Any]] = {
         "paper_mix", [("v100", 2, 0.0), ("t4", 2, 0.0), ("k80", 2, 0.0), ("cpu", 2, 0.0)], 512,
         description="CPU-GPU heterogeneous cluster (seed paper's setting, Zhang et al. TPDS 2021); one slowdown.",
         epochs=10, steps_per_epoch=20, noise=0.02,
-        events=[{"epoch": 5, "kind": "speed", "ranks": [1], "factor": 1.6}],
+        events=[{"epoch": 5, "ranks": [1], "speed": 1.6}],
     ),
     "static_mix": _mix(
         "static_mix", [("v100", 2, 0.0), ("t4", 2, 0.003), ("k80", 2, 0.0), ("cpu", 2, 0.0)], 512,
@@ -886,10 +854,10 @@ BUILTIN_SCENARIOS: dict[str, dict[str, Any]] = {
         epochs=10, steps_per_epoch=20, noise=0.02,
         free_slots=[{"device": "v100", "corunner": None}, {"device": "t4", "corunner": None}],
         events=[
-            {"epoch": 2, "kind": "corunner", "ranks": [0, 4], "corunner": "video"},
-            {"epoch": 4, "kind": "corunner", "ranks": [5], "corunner": "inference"},
-            {"epoch": 6, "kind": "corunner", "ranks": [0], "corunner": None},
-            {"epoch": 7, "kind": "corunner", "ranks": [2, 6], "corunner": "video"},
+            {"epoch": 2, "ranks": [0, 4], "corunner": "video"},
+            {"epoch": 4, "ranks": [5], "corunner": "inference"},
+            {"epoch": 6, "ranks": [0], "corunner": None},
+            {"epoch": 7, "ranks": [2, 6], "corunner": "video"},
         ],
     ),
     "dynamic": _mix(
@@ -897,9 +865,9 @@ BUILTIN_SCENARIOS: dict[str, dict[str, Any]] = {
         description="Non-dedicated nodes: background load ramps up, a node slows, two ranks have slow input pipelines.",
         epochs=12, steps_per_epoch=20, noise=0.02,
         events=[
-            {"epoch": 1, "kind": "ramp", "ranks": [0, 1], "factor": 2.5, "epochs": 6},
-            {"epoch": 3, "kind": "ramp", "ranks": [6], "factor": 2.0, "epochs": 5},
-            {"epoch": 8, "kind": "speed", "ranks": [0, 1], "factor": 1.0},
+            {"epoch": 1, "ranks": [0, 1], "ramp": 2.5, "over": 6},
+            {"epoch": 3, "ranks": [6], "ramp": 2.0, "over": 5},
+            {"epoch": 8, "ranks": [0, 1], "speed": 1.0},
         ],
     ),
     "large": _mix(
@@ -907,8 +875,8 @@ BUILTIN_SCENARIOS: dict[str, dict[str, Any]] = {
         description="1024 ranks of four GPU types; some co-runners arrive.",
         epochs=4, steps_per_epoch=3, noise=0.02,
         events=[
-            {"epoch": 1, "kind": "corunner", "ranks": list(range(0, 1024, 7)), "corunner": "video"},
-            {"epoch": 2, "kind": "ramp", "ranks": list(range(3, 1024, 11)), "factor": 2.0, "epochs": 2},
+            {"epoch": 1, "ranks": list(range(0, 1024, 7)), "corunner": "video"},
+            {"epoch": 2, "ranks": list(range(3, 1024, 11)), "ramp": 2.0, "over": 2},
         ],
     ),
 }

@@ -30,11 +30,16 @@ from torch import Tensor
 
 from hetero_plugins.aggregation import AggregationOptions, resolve_aggregation
 from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
-from hetero_plugins.microbatch import CarryQueue, DeadlineRule, MicroBatch, StepClaims, micro_batch_sizes, split_batch
+from hetero_plugins.microbatch import CarryQueue, DeadlineRule, MicroBatch, StepClaims, micro_batch_sizes, take_rows
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AggregationMixin"]
+
+
+def per_rank_size(counts: Any, parts: int) -> list[int]:
+    """The largest micro-batch of each rank's share."""
+    return [max(micro_batch_sizes(c, parts), default=0) for c in counts]
 
 
 class _StepWeight:
@@ -173,7 +178,7 @@ class AggregationMixin:
                 return module.training_step(*args, **kwargs)
         return self._micro_batched_step(*args, **kwargs)
 
-    def _micro_batched_step(self, batch: Any, batch_idx: int, *rest: Any, **kwargs: Any) -> Any:
+    def _micro_batched_step(self, batch: Any, batch_idx: int, *extra: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         own = self.balancer._own_batch_sampler(trainer)
         if own is None:
@@ -187,40 +192,93 @@ class AggregationMixin:
         counts = own.step_counts(batch_idx)
         planned = sum(counts)
         parts = int(self.aggregation.micro_batches)  # type: ignore[arg-type]
+        sizes = micro_batch_sizes(counts[rank], parts)
+        offsets = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
         for p in self._params:
             p.grad = None  # Lightning zeroes gradients only after training_step
         start = time.perf_counter()
         results: list[tuple[Any, float, int]] = []
-        pieces = split_batch(batch, micro_batch_sizes(counts[rank], parts))
 
         def run(data: Any, samples: int) -> None:
-            results.append(self._run_micro_batch(data, samples, planned, batch_idx, rest, kwargs))
+            results.append(self._run_micro_batch(data, samples, planned, batch_idx, extra, kwargs))
+
+        def processed() -> int:
+            return sum(n for _, _, n in results)
+
+        def finish(extra_samples: int) -> float:
+            """Seconds into the step at which ``extra_samples`` more would be done, at this step's pace so far."""
+            elapsed, done = time.perf_counter() - start, processed()
+            return elapsed + (elapsed / done) * extra_samples if done else math.inf
 
         if self.aggregation.mode == "deadline":
             last = batch_idx + 1 >= trainer.num_training_batches or bool(trainer.is_last_batch)
             predicted = self.balancer.planner.predict_step_time(counts) if self.balancer.planner else math.nan
             rule = DeadlineRule(math.inf if last else self.aggregation.deadline(predicted))
-            queue = self._carry.take_all() + [
-                MicroBatch(d, len_, rank, batch_idx, j) for j, (d, len_) in
-                enumerate(zip(pieces, micro_batch_sizes(counts[rank], parts)))
-            ]
-            done = 0
-            for j, mb in enumerate(queue):
-                if j > 0 and not rule.allows(time.perf_counter() - start, done, mb.samples):
-                    self._carry.extend(queue[j:])
-                    self.carried_samples += sum(m.samples for m in queue[j:])
+            queue = self._carry.take_all()  # carried micro-batches first, then this step's share
+            j = 0
+            while queue or j < len(sizes):
+                if not queue:  # the rest of the share in one piece when it fits before the deadline
+                    k = len(sizes) - j if finish(offsets[-1] - offsets[j]) <= rule.deadline else 1
+                    queue.append(MicroBatch(take_rows(batch, offsets[j], offsets[j + k]), offsets[j + k] - offsets[j],
+                                            rank, batch_idx, j))
+                    j += k
+                mb = queue[0]
+                if results and not rule.allows(time.perf_counter() - start, processed(), mb.samples):
                     break
+                queue.pop(0)
                 run(mb.data, mb.samples)
-                done += mb.samples
+            left = queue + [MicroBatch(take_rows(batch, offsets[i], offsets[i + 1]), sizes[i], rank, batch_idx, i)
+                            for i in range(j, len(sizes))]
+            if left:  # missed the deadline: this rank's unstarted work moves to its next steps
+                self._carry.extend(left)
+                self.carried_samples += sum(m.samples for m in left)
         else:  # wbsp
             self._start_claim_store()
             epoch = trainer.current_epoch
             per_rank = [len(micro_batch_sizes(c, parts)) for c in counts]
             claims = StepClaims(self._store, f"hp/{epoch}/{batch_idx}", per_rank)
-            own_sizes = micro_batch_sizes(counts[rank], parts)
-            while (j := claims.claim(rank)) is not None:
-                run(pieces[j], own_sizes[j])
-            while (stolen := claims.steal(exclude=rank)) is not None:
+            target = self._balanced_step_time(counts)  # when every rank would finish if work were shared evenly
+            pace = self._expected_pace(counts[rank])
+            free_key = f"hp/{epoch}/{batch_idx}/free"
+
+            def others_free() -> bool:
+                return int(self._store.add(free_key, 0)) > 0
+
+            def stalled() -> bool:
+                done = processed()
+                return pace is not None and done > 0 and (time.perf_counter() - start) / done > 1.5 * pace
+
+            while (left := len(sizes) - claims.claimed(rank)) > 0:
+                remaining = offsets[-1] - offsets[len(sizes) - left]
+                if not results:
+                    count = 1  # one unit first: it tells this rank's pace in this step
+                elif finish(remaining) > 1.1 * target:
+                    # Behind: one unit at a time. A rank that is far slower than its time model says (a stall)
+                    # leaves its next unit to the ranks that finish their shares first (WBSP's busy workers),
+                    # taking it back only if nobody has by the time the step should have ended.
+                    if stalled() and finish(sizes[len(sizes) - left]) > 1.1 * target:
+                        while time.perf_counter() - start < 1.1 * target and claims.claimed(rank) < len(sizes):
+                            time.sleep(0.002)
+                    count = 1
+                elif others_free():
+                    count = 1  # another rank is idle: share the rest unit by unit
+                else:
+                    count = left  # on time and nobody idle: the rest of the share in one piece
+                got = claims.claim_many(rank, count)
+                if got:
+                    lo, hi = offsets[got.start], offsets[got.stop]
+                    run(take_rows(batch, lo, hi), hi - lo)
+            self._store.add(free_key, 1)
+            while claims.left(exclude=rank):
+                # A thief takes a micro-batch only if it would finish it in reasonable time; a slower rank leaves
+                # it to faster ones, and takes it anyway once the step is overdue (no micro-batch is stranded).
+                unit = max(per_rank_size(counts, parts))
+                if finish(unit) > 1.5 * target and time.perf_counter() - start < 1.5 * target and results:
+                    time.sleep(0.002)
+                    continue
+                stolen = claims.steal(exclude=rank)
+                if stolen is None:
+                    break
                 victim, j = stolen
                 data, samples = self._load_micro_batch(own, batch_idx, victim, j, counts[victim], parts, trainer)
                 run(data, samples)
@@ -242,6 +300,27 @@ class AggregationMixin:
             out["loss"] = placeholder
             return out
         return placeholder
+
+    def _expected_pace(self, samples: int) -> float | None:
+        """This rank's predicted seconds per sample for a share of ``samples`` (``None`` without a time model)."""
+        planner = self.balancer.planner
+        params = None if planner is None or samples <= 0 else planner.model_params()[self.global_rank]  # type: ignore[attr-defined]
+        seconds = params.predict(samples) if params is not None else math.nan
+        return seconds / samples if math.isfinite(seconds) and seconds > 0 else None
+
+    def _balanced_step_time(self, counts: Any) -> float:
+        """Predicted seconds of a step whose samples are shared so that every rank finishes together (from the
+        time models' per-sample paces under ``counts``); ``inf`` while a model is missing."""
+        planner = self.balancer.planner
+        if planner is None:
+            return math.inf
+        rates = []
+        for params, b in zip(planner.model_params(), counts):
+            seconds = params.predict(b) if params is not None and b > 0 else math.nan
+            if not math.isfinite(seconds) or seconds <= 0:
+                return math.inf
+            rates.append(b / seconds)
+        return sum(counts) / sum(rates)
 
     def _run_micro_batch(
         self, data: Any, samples: int, planned: int, batch_idx: int, rest: tuple, kwargs: dict
@@ -273,8 +352,8 @@ class AggregationMixin:
         return self.batch_to_device(data), len(chosen)  # type: ignore[attr-defined]
 
     def _forget_claims(self, key: str) -> None:
-        self._store_keys.append(key)
-        while len(self._store_keys) > 4:  # keep the last steps' counters: slower ranks may still read them
+        self._store_keys += [key, key.rsplit("/", 1)[0] + "/free"]
+        while len(self._store_keys) > 8:  # keep the last steps' counters: slower ranks may still read them
             try:
                 self._store.delete_key(self._store_keys.pop(0))
             except Exception:  # noqa: BLE001 - cleanup only
@@ -363,12 +442,13 @@ class AggregationMixin:
             opt.step()
             opt.zero_grad()
 
-    def _backlog_per_step(self) -> list[int] | None:
-        """``deadline``: every rank's carried samples, spread over the steps until the next re-plan."""
+    def _backlog_per_step(self, steps_left: int) -> list[int] | None:
+        """``deadline``: every rank's carried samples (the same on every rank: they travel with the gradients),
+        to be worked off over the next four steps, or the steps left in the epoch if fewer."""
         if self._backlogs is None:
             return None
-        every = max(1, int(self.balancer.replan_every or 1))
-        return [math.ceil(c / every) for c in self._backlogs]
+        spread = max(1, min(4, int(steps_left)))
+        return [math.ceil(c / spread) for c in self._backlogs]
 
     def _reset_epoch_state(self) -> None:
         if self._carry.samples:

@@ -13,8 +13,9 @@ __all__ = ["BalancedStrategyMixin"]
 
 class BalancedStrategyMixin:
     """Holds ``self.balancer`` (a :class:`~hetero_plugins.callbacks.BatchBalancer`), exposes ``batch_plan`` and
-    ``plan_history``, and puts the balancer among the Trainer's callbacks when the model is connected (before
-    checkpoint state is restored, so the balancer's state comes back on resume)."""
+    ``plan_history``, installs the balanced samplers in the loaders Lightning prepares (from the first epoch,
+    so plans can change mid-epoch), and puts the balancer among the Trainer's callbacks when the model is
+    connected (before checkpoint state is restored, so the balancer's state comes back on resume)."""
 
     balancer: BatchBalancer
 
@@ -27,6 +28,11 @@ class BalancedStrategyMixin:
     def plan_history(self) -> list[dict[str, Any]]:
         """One dict per epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`)."""
         return self.balancer.plan_history
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Install per-rank batch sizes (the balanced sampler) in every loader Lightning prepared."""
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        return self.balancer.prepare_dataloader(dataloader, self.lightning_module.trainer)  # type: ignore[attr-defined]
 
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)  # type: ignore[misc]

@@ -140,11 +140,6 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         return self.cluster_environment.main_address  # type: ignore[union-attr]
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        return self.balancer.prepare_dataloader(dataloader, self.lightning_module.trainer)
-
-    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         # Lightning averages an integer tensor with truncation (``result.copy_(result / world_size)``), and its
         # sample-weighted epoch metrics divide by such a tensor: the summed batch sizes. With uneven per-rank

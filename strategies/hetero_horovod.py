@@ -36,8 +36,10 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from hetero_plugins.aggregation import AggregationOptions
 from hetero_plugins.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 from hetero_plugins.horovod import GradientWeighting, _hvd
 
@@ -104,7 +106,7 @@ class HorovodEnvironment(ClusterEnvironment):
         return self._get("cross_rank", "HOROVOD_CROSS_RANK")
 
 
-class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
+class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStrategy):
     """Horovod data parallelism plus per-epoch batch rebalancing and sample-weighted gradient sums.
 
     Args:
@@ -120,6 +122,10 @@ class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
         replan_every: steps between mid-epoch exchanges of step times, after which the plan may change for
             the rest of the epoch (``None``: plans change at epoch ends only).
         policy: alias of ``allocator`` (e.g. ``"auto"``, ``"dqn"``).
+        aggregation: ``"weighted"`` (default), ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"``, ``"local_sgd"`` or an
+            :class:`~hetero_plugins.aggregation.AggregationOptions` (see :mod:`hetero_plugins.aggregation`); the
+            modes other than ``"weighted"`` exchange through ``hvd.allreduce`` themselves instead of wrapping the
+            optimizer in ``hvd.DistributedOptimizer``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.ParallelStrategy` (``accelerator``,
             ``checkpoint_io``, ``precision_plugin``).
 
@@ -148,6 +154,7 @@ class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
         balance_eval: bool = True,
         replan_every: int | None = 5,
         policy: str | Allocator | None = None,
+        aggregation: str | AggregationOptions | None = None,
         **kwargs: Any,
     ) -> None:
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
@@ -163,6 +170,8 @@ class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
         )
         self._auto_sync = False
         self._weightings: list[GradientWeighting] = []
+        self._exchanges = 0
+        self._init_aggregation(aggregation)
 
     # ------------------------------------------------------------------ ranks and devices
     @property
@@ -211,6 +220,9 @@ class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         for opt in self.optimizers:
             hvd.broadcast_optimizer_state(opt, root_rank=0)
+        if self.aggregation.explicit_sync:
+            self._setup_aggregation(trainer)  # the mode exchanges through hvd.allreduce itself
+            return
         passes = int(trainer.accumulate_grad_batches)
         wrapped = []
         for i, opt in enumerate(self.optimizers):
@@ -239,7 +251,31 @@ class HeteroHorovodStrategy(BalancedStrategyMixin, ParallelStrategy):
                 opt.synchronize()
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.aggregation.explicit_sync:
+            return super().training_step(*args, **kwargs)
+        return self._aggregated_training_step(args, kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        self._flush_pseudo_sync()
+        super().on_train_end()
+
+    def _allreduce_sum(self, tensor: Tensor) -> Tensor:
+        hvd = _hvd()
+        self._exchanges += 1
+        return hvd.allreduce(tensor, op=hvd.Sum, name=f"hetero.aggregate.{self._exchanges}")
+
+    def _allreduce_sum_async(self, tensor: Tensor) -> Any:
+        hvd = _hvd()
+        self._exchanges += 1
+        handle = hvd.allreduce_async(tensor, op=hvd.Sum, name=f"hetero.aggregate.{self._exchanges}")
+        return _PendingHorovodSum(handle)
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.aggregation.explicit_sync:
+            return self._aggregated_optimizer_step(optimizer, closure, model, kwargs, super().optimizer_step)
         if self._auto_sync and hasattr(optimizer, "skip_synchronize"):
             # Entered per step: Horovod's load_state_dict (checkpoint restore) resets the flag.
             with optimizer.skip_synchronize():
@@ -309,3 +345,13 @@ def _named_parameters_of(module: torch.nn.Module, optimizer: torch.optim.Optimiz
         for j, p in enumerate(group["params"]):
             out.append((prefix + names.get(id(p), f"group{g}.{j}"), p))
     return out
+
+
+class _PendingHorovodSum:
+    """A Horovod all-reduce in flight; ``wait()`` returns the sum."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def wait(self) -> Tensor:
+        return _hvd().synchronize(self.handle)

@@ -67,18 +67,22 @@ def test_simulation_deterministic_for_a_seed():
     assert a["epoch_times"][2] < 0.7 * a["epoch_times"][0]  # balancing pays off on the mixed cluster
 
 
-BASE = {"name": "t", "global_batch": 16, "device_types": {"g": {"intercept": 0.0, "slope": 0.001}},
+BASE = {"name": "t", "global_batch": 16, "devices": {"g": {"overhead": 0.0, "cost_per_sample": 0.001}},
         "ranks": [{"device": "g", "count": 2}]}
 
 
 @pytest.mark.parametrize("patch, field", [
     ({"global_batch": 0}, "global_batch"),
-    ({"device_types": {"g": {"slope": -1}}}, "device_types.g.slope"),
+    ({"devices": {"g": {"cost_per_sample": -1}}}, "devices.g.cost_per_sample"),
     ({"ranks": [{"device": "tpu"}]}, "ranks[0].device"),
     ({"ranks": [{"device": "g", "count": 0}]}, "ranks[0].count"),
-    ({"events": [{"epoch": 1, "kind": "melt", "ranks": [0]}]}, "events[0].kind"),
-    ({"events": [{"epoch": 1, "kind": "speed", "ranks": [5], "factor": 2}]}, "events[0].ranks"),
-    ({"events": [{"epoch": 1, "kind": "corunner", "ranks": [0], "corunner": "video"}]}, "events[0].corunner"),
+    ({"events": [{"epoch": 1, "ranks": [0], "melt": True}]}, "events[0]"),
+    ({"events": [{"epoch": 1, "ranks": [5], "speed": 2}]}, "events[0].ranks"),
+    ({"events": [{"epoch": 1, "rank": 0, "corunner": "video"}], "interference": {"etl": 1.2}}, "events[0].corunner"),
+    ({"events": [{"epoch": 1, "rank": 0, "ramp": 2.0, "over": 0}]}, "events[0].over"),
+    ({"interference": {"video": {"tpu": 1.5}}}, "interference.video.tpu"),
+    ({"interference": {"video": 0.5}}, "interference.video"),
+    ({"device_types": {"g": {"slope": 0.001}}}, "device_types"),
     ({"noise": "loud"}, "noise"),
     ({"colour": "red"}, "colour"),
 ])
@@ -99,9 +103,9 @@ def test_bad_scenario_file(tmp_path):
 # ---------------------------------------------------------------- stage 1: DQN
 def _small_problems(seed: int):
     spec = {"name": "small", "global_batch": 96, "epochs": 8, "noise": 0.0,
-            "device_types": {"fast": {"intercept": 0.002, "slope": 0.001}, "slow": {"intercept": 0.004, "slope": 0.004}},
+            "devices": {"fast": {"overhead": 0.002, "cost_per_sample": 0.001}, "slow": {"overhead": 0.004, "cost_per_sample": 0.004}},
             "ranks": [{"device": "fast", "count": 2}, {"device": "slow", "count": 1}, {"device": "slow", "count": 1, "data": 0.02}],
-            "events": [{"epoch": 3, "kind": "speed", "ranks": [0], "factor": 2.0}]}
+            "events": [{"epoch": 3, "ranks": [0], "speed": 2.0}]}
     rng = np.random.default_rng(seed)
     return [p for _ in range(5) for p in decision_problems(spec, rng)]
 
@@ -316,9 +320,9 @@ def test_policy_alias_on_strategy_and_callback():
 
 def test_dqn_learns_online_from_measured_epochs():
     spec = {"name": "small", "global_batch": 96, "epochs": 20, "steps_per_epoch": 5, "noise": 0.0,
-            "device_types": {"fast": {"intercept": 0.002, "slope": 0.001}, "slow": {"intercept": 0.004, "slope": 0.004}},
+            "devices": {"fast": {"overhead": 0.002, "cost_per_sample": 0.001}, "slow": {"overhead": 0.004, "cost_per_sample": 0.004}},
             "ranks": [{"device": "fast", "count": 2}, {"device": "slow", "count": 2}],
-            "events": [{"epoch": 3, "kind": "speed", "ranks": [0], "factor": 2.0}]}
+            "events": [{"epoch": 3, "ranks": [0], "speed": 2.0}]}
     problems = decision_problems({**spec, "epochs": 8}, np.random.default_rng(0))
     net = QNetwork.random(seed=3)
     alloc = DQNAllocator(model=net, online=True, online_updates=64, online_lr=1e-3)
@@ -330,3 +334,94 @@ def test_dqn_learns_online_from_measured_epochs():
     frozen = DQNAllocator(model=net)
     simulate(spec, frozen, epochs=3)
     assert frozen.net is net  # without online=True nothing is learned
+
+
+# ---------------------------------------------------------------- single schema, stage 2 feeding stage 1, latency
+def test_events_apply_in_epoch_order_whatever_the_file_order():
+    spec = {**BASE, "events": [{"epoch": 4, "rank": 0, "corunner": None}, {"epoch": 2, "rank": 0, "corunner": "video"}]}
+    sim = ClusterSim(spec)
+    assert sim.corunners(3)[0] == "video" and sim.multipliers(3)[0] > 1.0
+    assert sim.corunners(4)[0] is None and sim.multipliers(4)[0] == 1.0
+
+
+def test_old_internal_form_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"`device_types`.*HINT.*cost_per_sample"):
+        load_scenario({"name": "x", "global_batch": 8, "device_types": {"g": {"slope": 0.001}},
+                       "ranks": [{"device": "g", "count": 2}]})
+
+
+def test_vectorised_equal_finish_is_makespan_optimal():
+    from hetero_plugins.scheduler.policy import equal_finish_plan
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        n = int(rng.integers(2, 24))
+        a, b = rng.uniform(0, 0.02, n), rng.uniform(1e-4, 5e-3, n)
+        lo, hi = rng.integers(1, 4, n), rng.integers(20, 200, n)
+        gb = int(rng.integers(lo.sum(), hi.sum() + 1))
+        plan = equal_finish_plan(a, b, gb, lo, hi)
+        ref = EqualFinishAllocator().allocate([P(x, y) for x, y in zip(a, b)], gb,
+                                              Bounds(tuple(int(x) for x in lo), tuple(int(x) for x in hi)))
+        assert plan.sum() == gb and np.all(plan >= lo) and np.all(plan <= hi)
+        assert np.max(a + b * plan) <= np.max(a + b * np.array(ref)) * (1 + 1e-9)
+
+
+def test_known_corunner_arrival_shifts_load_before_it_is_measured():
+    models = [P(0.005, 0.0005)] * 3 + [P(0.006, 0.0012)]
+    bounds = Bounds.uniform(4)
+    blind = AutoAllocator().allocate(models, 256, bounds)
+    auto = AutoAllocator()
+    auto.set_context(devices=["v100"] * 3 + ["t4"], corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    told = auto.allocate(models, 256, bounds)
+    assert told[3] < 0.8 * blind[3] and sum(told) == 256  # the NCF predicts the video co-runner's slowdown
+    assert auto.dqn.correction is not None and auto.dqn.correction.corrections == 1
+    again = auto.allocate(models, 256, bounds)  # the context is used once: then the change is measured
+    assert again[3] >= 0.9 * blind[3] and auto.dqn.correction.corrections == 1
+    off = AutoAllocator(interference=False)
+    off.set_context(devices=["v100"] * 3 + ["t4"], corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    assert off.allocate(models, 256, bounds) == blind
+    with pytest.raises(ValueError, match="`devices`, `corunners` and `next_corunners` go together.*HINT"):
+        auto.set_context(devices=["v100"])
+    with pytest.raises(ValueError, match="`interference`=3 .*HINT"):
+        DQNAllocator(interference=3)
+
+
+def test_stage2_context_beats_equal_finish_when_corunners_arrive():
+    spec = {"devices": {"v100": {"cost_per_sample": 0.0005, "overhead": 0.005, "memory_samples": 512},
+                        "t4": {"cost_per_sample": 0.0012, "overhead": 0.006, "memory_samples": 256}},
+            "ranks": [{"device": "v100", "corunner": None, "count": 2}, {"device": "t4", "corunner": None, "count": 2}],
+            "global_batch": 256, "epochs": 6, "steps_per_epoch": 5, "noise": 0.0,
+            "interference": {"video": {"v100": 1.5, "t4": 1.9}},
+            "events": [{"epoch": 2, "rank": 2, "corunner": "video"}, {"epoch": 4, "rank": 2, "corunner": None}]}
+    ef = simulate(spec, "equal_finish")["steady_samples_per_s"]
+    with_ctx = simulate(spec, AutoAllocator())["steady_samples_per_s"]
+    without = simulate(spec, AutoAllocator(), telemetry=False)["steady_samples_per_s"]
+    assert with_ctx > 1.05 * ef  # the stale epochs after each change are avoided
+    assert without == pytest.approx(ef, rel=0.01)  # no context, no information beyond the measured times
+
+
+def test_auto_plans_1024_ranks_as_well_as_equal_finish():
+    sim = ClusterSim("large")
+    a, beta, _ = sim.params(2)
+    models = [P(x, y) for x, y in zip(a, beta)]
+    bounds = Bounds((1,) * sim.world_size, tuple(sim.scenario.max_batch))  # type: ignore[arg-type]
+    auto = AutoAllocator()
+    plan = auto.allocate(models, sim.scenario.global_batch, bounds)
+    ef = EqualFinishAllocator().allocate(models, sim.scenario.global_batch, bounds)
+    makespan = lambda p: max(m.predict(b) for m, b in zip(models, p))  # noqa: E731
+    assert sum(plan) == sim.scenario.global_batch and makespan(plan) <= makespan(ef) * (1 + 1e-9)
+
+
+def test_transfer_keeps_the_best_on_validation():
+    from hetero_plugins.scheduler.transfer import transfer_dqn
+
+    spec = {"devices": {"fast": {"cost_per_sample": 0.001, "overhead": 0.002},
+                        "slow": {"cost_per_sample": 0.004, "overhead": 0.004}},
+            "ranks": [{"device": "fast", "count": 2}, {"device": "slow", "count": 2, "data": 0.01}],
+            "global_batch": 96, "epochs": 5, "noise": 0.0}
+    net, stats = transfer_dqn(spec, source=QNetwork.random(seed=2), seconds=1.0, checkpoints=4)
+    assert len(stats["validation"]) == 5 and stats["kept"] in ("source", "fine-tuned")
+    kept_val = stats["validation"][0] if stats["kept"] == "source" else min(stats["validation"][1:])
+    assert kept_val <= stats["validation"][0]
+    with pytest.raises(ValueError, match="`freeze_fraction`"):
+        transfer_dqn(spec, freeze_fraction=2.0)

@@ -97,6 +97,7 @@ class RunRecorder(Callback):
         self._t0: float | None = None
         self._last: float | None = None
         self._start = time.perf_counter()
+        self._step_ends: list[float] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
@@ -104,9 +105,11 @@ class RunRecorder(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
             self._t0 = time.perf_counter()
+            self._step_ends = [self._t0]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._last = time.perf_counter()
+        self._step_ends.append(self._last)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._t0 is None or self._last is None:
@@ -114,7 +117,9 @@ class RunRecorder(Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
         plan = getattr(trainer.strategy, "batch_plan", None)
         entry = {"epoch": trainer.current_epoch, "train_time": self._last - self._t0,
-                 "wall_time": time.perf_counter() - self._start, "batch_sizes": plan, **metrics}
+                 "wall_time": time.perf_counter() - self._start, "batch_sizes": plan,
+                 "step_times": [b - a for a, b in zip(self._step_ends, self._step_ends[1:])],
+                 "communication_bytes": getattr(trainer.strategy, "communication_bytes", None), **metrics}
         self.epochs.append(entry)
         if trainer.is_global_zero:
             if self.label is not None:

@@ -27,6 +27,7 @@ def run_digits_job(
     out_dir: str | os.PathLike | None = None,
     stalls: Any = None,
     replan_every: int | None = 5,
+    aggregation: Any = None,
 ) -> dict[str, Any]:
     """Train the digits CNN on ``len(speeds)`` spawned CPU ranks; return rank 0's record.
 
@@ -37,6 +38,7 @@ def run_digits_job(
         label: progress-line prefix (``None``: quiet).
         stalls: transient stalls for the emulator (``Stall`` entries or a ``RandomStalls``).
         replan_every: the strategy's mid-epoch replanning interval (``None``: epoch ends only).
+        aggregation: the strategy's ``aggregation=`` (``None``: ``"weighted"``).
 
     Returns:
         ``{"epochs": [...], "plan_history": [...]}``: per-epoch train time, wall time, val accuracy and loss,
@@ -68,7 +70,8 @@ def run_digits_job(
     else:
         from hetero_plugins.strategies import HeteroDDPStrategy
 
-        strategy = HeteroDDPStrategy(start_method="spawn", allocator=allocator, replan_every=replan_every)
+        strategy = HeteroDDPStrategy(start_method="spawn", allocator=allocator, replan_every=replan_every,
+                                     aggregation=aggregation)
     trainer = pl.Trainer(
         accelerator="cpu", devices=len(speeds), strategy=strategy, max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

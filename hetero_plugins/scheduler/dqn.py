@@ -151,7 +151,7 @@ def assign(
             give = int(min(room[i], free))
             load[i] += give
             free -= give
-    return [int(round(v)) for v in load]
+    return np.rint(load).astype(np.int64).tolist()
 
 
 def _true_times(p: Any, load: np.ndarray) -> np.ndarray:

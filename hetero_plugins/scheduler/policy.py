@@ -7,7 +7,11 @@ Both are :class:`~hetero_plugins.allocators.Allocator` subclasses, registered in
 
 The planner runs them on every rank with identical inputs; rank 0's plan is broadcast (BatchBalancer).
 Zhang, Geng, Ma, "Learning-Driven Interference-Aware Workload Parallelization for Streaming Applications in
-Heterogeneous Cluster", IEEE TPDS 2021 (LDWP stage).
+Heterogeneous Cluster", IEEE TPDS 2021: LDWP (stage 1) splits the work; IAWP (stage 2) predicts the
+interference of co-located jobs with NCF. Here stage 2 feeds stage 1: when the context says a rank's
+co-runner changes at this epoch boundary (:meth:`DQNAllocator.set_context`), the rank's fitted time line,
+measured beside the old co-runner, is scaled by the NCF's predicted slowdown ratio new / old before the
+split is decided, so the plan does not wait one epoch for the measurements to catch up.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.allocators import ALLOCATORS, Allocator, Bounds, EqualFinishAllocator, _fallback_models
+from hetero_plugins.allocators import ALLOCATORS, Allocator, Bounds, _fallback_models
 from hetero_plugins.scheduler.dqn import QNetwork, assign
 from hetero_plugins.scheduler.features import DecisionContext
 from hetero_plugins.sim import DecisionProblem
@@ -29,7 +33,112 @@ from hetero_plugins.time_model import TimeModelParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AutoAllocator", "DQNAllocator"]
+__all__ = ["AutoAllocator", "DQNAllocator", "InterferenceCorrection", "equal_finish_plan"]
+
+
+def equal_finish_plan(intercept: np.ndarray, slope: np.ndarray, global_batch: int, min_batch: np.ndarray,
+                      max_batch: np.ndarray) -> np.ndarray:
+    """Makespan-optimal integer split for linear times ``a_i + beta_i * b_i`` (vectorised, O(60 N)).
+
+    The same objective as :class:`~hetero_plugins.allocators.EqualFinishAllocator` (closed-form equal finish
+    plus makespan-optimal rounding), solved directly: bisection on the step time ``T`` for the smallest ``T``
+    at which the samples every rank can finish by ``T``, ``clip(floor((T - a_i) / beta_i), lo_i, hi_i)``, cover
+    the global batch; the few surplus samples (ties) leave the ranks that finish last. Ties may be broken
+    differently from ``EqualFinishAllocator``; the predicted makespan is never larger.
+    """
+    a = np.asarray(intercept, dtype=np.float64)
+    beta = np.maximum(np.asarray(slope, dtype=np.float64), 1e-12)
+    lo = np.asarray(min_batch, dtype=np.float64)
+    hi = np.asarray(max_batch, dtype=np.float64)
+
+    def count(t: float) -> np.ndarray:
+        return np.clip(np.floor((t - a) / beta + 1e-9), lo, hi)
+
+    t_lo, t_hi = 0.0, float(np.max(a + beta * hi))
+    for _ in range(64):
+        mid = 0.5 * (t_lo + t_hi)
+        if count(mid).sum() >= global_batch:
+            t_hi = mid
+        else:
+            t_lo = mid
+        if t_hi - t_lo <= 1e-12 * max(t_hi, 1e-12):
+            break
+    b = count(t_hi)
+    surplus = int(b.sum()) - int(global_batch)
+    while surplus > 0:  # ties at the threshold: the ranks whose last sample finishes latest give one back
+        t = a + beta * b
+        t[b <= lo] = -np.inf
+        k = min(surplus, int(np.isfinite(t).sum()))
+        idx = np.argpartition(-t, k - 1)[:k]
+        b[idx] -= 1
+        surplus -= k
+    return b.astype(np.int64)
+
+
+class InterferenceCorrection:
+    """Stage 2 feeding stage 1: scale fitted time lines by the NCF's predicted co-runner slowdown ratio.
+
+    A rank's fitted line was measured beside its co-runner of the last epoch (``corunners``); when the
+    context says another co-runner runs beside it in the next epoch (``next_corunners``: an arrival, a
+    departure or a change), its intercept and slope are multiplied by
+    ``NCF(workload, device, next) / NCF(workload, device, measured)``. Only co-runner *identities* are used,
+    as a cluster manager knows them; the slowdown itself is the NCF's prediction (pre-trained on its own
+    table, see :mod:`hetero_plugins.scheduler.pretrain`). Names the predictor does not know leave the line
+    unchanged (logged once each).
+
+    Args:
+        predictor: an :class:`~hetero_plugins.scheduler.ncf.InterferencePredictor`, a model file, or
+            ``None`` for the shipped default (loaded on first use).
+    """
+
+    def __init__(self, predictor: Any = None) -> None:
+        self._source = predictor
+        self._predictor: Any = None if predictor is None or isinstance(predictor, (str, Path)) else predictor
+        self._cache: dict[tuple[str, str, str | None], float | None] = {}
+        self.corrections = 0  #: ranks whose line was corrected so far
+
+    def _slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
+        key = (workload, device, corunner)
+        if key not in self._cache:
+            if corunner is None:
+                self._cache[key] = 1.0
+            else:
+                if self._predictor is None:
+                    from hetero_plugins.scheduler.ncf import InterferencePredictor
+
+                    self._predictor = InterferencePredictor.load(self._source)  # type: ignore[arg-type]
+                try:
+                    self._cache[key] = float(self._predictor.predict(workload, device, corunner))
+                except ValueError as err:
+                    log.info("interference correction skipped for %s: %s", key, err)
+                    self._cache[key] = None
+        return self._cache[key]
+
+    def factors(self, workload: str, devices: Sequence[str], measured: Sequence[str | None],
+                upcoming: Sequence[str | None]) -> np.ndarray:
+        """Per-rank multipliers of the fitted lines (1 where nothing changes or a name is unknown)."""
+        out = np.ones(len(devices))
+        for i, (d, c0, c1) in enumerate(zip(devices, measured, upcoming)):
+            if c0 == c1:
+                continue
+            s0, s1 = self._slowdown(workload, d, c0), self._slowdown(workload, d, c1)
+            if s0 is not None and s1 is not None and s0 > 0:
+                out[i] = s1 / s0
+                self.corrections += 1
+        return out
+
+
+def _interference(value: Any) -> InterferenceCorrection | None:
+    if value is False or value is None:
+        return None
+    if value is True:
+        return InterferenceCorrection()
+    if isinstance(value, InterferenceCorrection):
+        return value
+    if isinstance(value, (str, Path)) or hasattr(value, "predict"):
+        return InterferenceCorrection(value)
+    raise ValueError(f"`interference`={value!r} is not usable. HINT: pass True (the shipped NCF), False (no "
+                     "correction), an InterferencePredictor or the path of an NCF model file.")
 
 
 class DQNAllocator(Allocator):
@@ -45,6 +154,10 @@ class DQNAllocator(Allocator):
             and ``online_updates`` Double-DQN updates run (clusters of at most ``online_max_ranks`` ranks).
         online_updates, online_lr, online_max_ranks, seed: online learning's budget per decision, learning
             rate, size limit and seed.
+        interference: stage 2 (IAWP): ``True`` corrects the fitted lines of ranks whose co-runner changes
+            with the shipped NCF (:class:`InterferenceCorrection`), ``False`` turns it off; an
+            ``InterferencePredictor`` or an NCF model file uses that predictor. It acts only when
+            :meth:`set_context` names co-runners (the simulator does; Lightning runs do not yet).
 
     Extra telemetry reaches the features through :meth:`set_context`; slopes are remembered between calls
     for the trend feature (one call per epoch under the planner).
@@ -62,7 +175,7 @@ class DQNAllocator(Allocator):
 
     def __init__(self, model: str | Path | QNetwork | None = None, chunks_per_rank: int = 2, parallel: int = 4,
                  online: bool = False, online_updates: int = 16, online_lr: float = 3e-4,
-                 online_max_ranks: int = 64, seed: int = 0) -> None:
+                 online_max_ranks: int = 64, seed: int = 0, interference: Any = True) -> None:
         self.net = model if isinstance(model, QNetwork) else QNetwork.load(model)
         self.chunks_per_rank = check_int("chunks_per_rank", chunks_per_rank, minimum=1)
         self.parallel = check_int("parallel", parallel, minimum=1)
@@ -71,9 +184,12 @@ class DQNAllocator(Allocator):
         self.online_lr = check_float("online_lr", online_lr, minimum=0.0)
         self.online_max_ranks = check_int("online_max_ranks", online_max_ranks, minimum=1)
         self.seed = int(seed)
+        self.correction = _interference(interference)
         self._prev_slope: np.ndarray | None = None
         self._utilisation: np.ndarray | None = None
         self._data: np.ndarray | None = None
+        self._corunner_ctx: tuple[str, list[str], list[str | None], list[str | None]] | None = None
+        self._factors: np.ndarray | None = None
         self._last: dict[str, Any] | None = None
         self._problems: deque[DecisionProblem] = deque(maxlen=64)
         self._trainer: Any = None
@@ -113,34 +229,91 @@ class DQNAllocator(Allocator):
         self.online_stats["seconds"] += time.perf_counter() - t0
         return tr.updates - start
 
-    def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None) -> None:
-        """Per-rank telemetry for the next decision: utilisation by other processes, data seconds per step."""
+    def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None,
+                    devices: Sequence[str] | None = None, corunners: Sequence[str | None] | None = None,
+                    next_corunners: Sequence[str | None] | None = None, workload: str | None = None) -> None:
+        """What is observable at this epoch boundary, for the next decision (every argument optional).
+
+        Args:
+            utilisation: per-rank share of the device used by other processes in the last epoch.
+            data: per-rank seconds per step outside the measured compute window in the last epoch.
+            devices: each rank's device type (the NCF's item, with the co-runner).
+            corunners: the co-runner beside each rank during the last epoch (``None``: dedicated).
+            next_corunners: the co-runner beside each rank in the next epoch.
+            workload: this job's workload type (the NCF's user; default ``"training"``).
+
+        Co-runners apply to the next :meth:`allocate` call only: a later call without a new context treats
+        the change as measured already.
+        """
         self._utilisation = None if utilisation is None else np.asarray(utilisation, dtype=np.float64)
         self._data = None if data is None else np.asarray(data, dtype=np.float64)
+        given = [x is not None for x in (devices, corunners, next_corunners)]
+        if any(given) and not all(given):
+            raise ValueError("`devices`, `corunners` and `next_corunners` go together, got "
+                             f"devices={devices!r}, corunners={corunners!r}, next_corunners={next_corunners!r}. "
+                             "HINT: pass all three (one entry per rank) or none.")
+        if all(given):
+            lengths = {len(devices), len(corunners), len(next_corunners)}  # type: ignore[arg-type]
+            if len(lengths) != 1:
+                raise ValueError(f"`devices`, `corunners`, `next_corunners` have lengths {sorted(lengths)}. "
+                                 "HINT: give one entry per rank in each.")
+            self._corunner_ctx = (workload or "training", list(devices), list(corunners),  # type: ignore[arg-type]
+                                  list(next_corunners))  # type: ignore[arg-type]
+        else:
+            self._corunner_ctx = None
 
     def data_times(self, world_size: int) -> np.ndarray:
         d = self._data
         return d if d is not None and len(d) == world_size else np.zeros(world_size)
 
+    def _take_factors(self, n: int) -> np.ndarray:
+        """Stage-2 multipliers for this decision (consumes the co-runner context)."""
+        ctx, self._corunner_ctx = self._corunner_ctx, None
+        if self.correction is None or ctx is None or len(ctx[1]) != n:
+            return np.ones(n)
+        return self.correction.factors(*ctx)
+
+    def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Intercepts and slopes of ``models`` as used by the last decision (stage-2 corrections applied)."""
+        a = np.fromiter((m.intercept for m in models), dtype=np.float64, count=world_size)
+        beta = np.fromiter((m.slope for m in models), dtype=np.float64, count=world_size)
+        f = self._factors
+        if f is not None and len(f) == world_size:
+            a, beta = a * f, beta * f
+        return a, beta
+
+    def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
+        """The planner's damping gate: predicted compute time of ``plan``'s slowest rank on the corrected lines.
+
+        The gate sees the stage-2 corrections (a co-runner change known at the boundary) but not the data
+        times: those are as before, so without co-runner changes the gate is the stock planner's (fits from
+        few batch sizes under drifting speeds are noisy, and the gate keeps plans from chasing them).
+        """
+        n = len(plan)
+        a, beta = self.lines(models, n)
+        return float(np.max(a + beta * np.asarray(plan, dtype=np.float64)))
+
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
         fitted = _fallback_models(models)
+        n = bounds.world_size
+        self._factors = self._take_factors(n)
         if fitted is None:
             return self._keep_or_equal(global_batch, bounds, current)
-        n = bounds.world_size
-        slope = np.array([m.slope for m in fitted])
+        intercept, slope = self.lines(fitted, n)
         prev = self._prev_slope if self._prev_slope is not None and len(self._prev_slope) == n else None
         util = self._utilisation if self._utilisation is not None and len(self._utilisation) == n else None
-        intercept = np.array([m.intercept for m in fitted])
         caps = np.minimum(np.asarray(bounds.max_batch, dtype=np.float64), global_batch)
         data = self.data_times(n)
         last = self._last
         if self.online and last is not None and last["n"] == n and last["global_batch"] == global_batch \
                 and n <= self.online_max_ranks:
             # What the previous decision saw, and what was measured afterwards: the fitted lines now.
+            raw_a, raw_b = (np.fromiter((getattr(m, k) for m in fitted), dtype=np.float64, count=n)
+                            for k in ("intercept", "slope"))
             self.learn(DecisionProblem(
                 intercept=last["intercept"], slope=last["slope"], prev_slope=last["prev_slope"],
-                utilisation=last["utilisation"], data=last["data"], true_intercept=intercept, true_slope=slope,
+                utilisation=last["utilisation"], data=last["data"], true_intercept=raw_a, true_slope=raw_b,
                 true_data=data, global_batch=global_batch, max_batch=last["max_batch"]))
         ctx = DecisionContext(intercept, slope, global_batch, caps, prev_slope=prev, utilisation=util, data=data)
         if self.online:
@@ -152,48 +325,67 @@ class DQNAllocator(Allocator):
 
 
 class AutoAllocator(Allocator):
-    """The DQN's plan, unless ``equal_finish``'s is predicted faster: then ``equal_finish``'s.
+    """The DQN's plan, unless the closed-form equal-finish split is predicted faster: then that one.
 
-    Both plans are scored by the same prediction, max_i(a_i + beta_i b_i + data_i) from the fitted time
-    lines and the data times known through :meth:`set_context`; the DQN's plan is kept when its predicted
-    step time is at most ``(1 + tolerance)`` times ``equal_finish``'s. ``last_choice`` says which won.
+    Both plans come from the same time lines (the fitted ones with the stage-2 co-runner corrections of
+    :class:`DQNAllocator`) and are scored by the same prediction, max_i(a_i + beta_i b_i + data_i) with the
+    data times known through :meth:`set_context`; the DQN's plan is kept when its predicted step time is at
+    most ``(1 + tolerance)`` times the equal-finish plan's (:func:`equal_finish_plan`, the objective of
+    ``equal_finish``, vectorised). ``last_choice`` says which won. Without co-runner context the fallback is
+    ``equal_finish``'s plan on the fitted lines (same makespan).
 
     Args:
         model: as for :class:`DQNAllocator`.
         tolerance: how much worse (relative) the DQN's predicted step time may be and still be used.
+        score_data: also add the known data times when scoring the two plans. Off by default: the DQN's
+            data-aware moves change batch sizes under drifting speeds, where lines fitted from few batch sizes
+            go wrong (on the ``dynamic`` scenario this cost 18%, see docs/scheduler.md); off, the DQN's plan is
+            used only when it is predicted faster on the compute lines alone.
+        **kwargs: passed to :class:`DQNAllocator` (e.g. ``interference=False``).
     """
 
     name = "auto"
 
-    def __init__(self, model: str | Path | QNetwork | None = None, tolerance: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, model: str | Path | QNetwork | None = None, tolerance: float = 0.0, score_data: bool = False,
+                 **kwargs: Any) -> None:
         self.dqn = DQNAllocator(model, **kwargs)
-        self.fallback = EqualFinishAllocator()
         self.tolerance = check_float("tolerance", tolerance, minimum=0.0)
+        if not isinstance(score_data, bool):
+            raise ValueError(f"`score_data` must be True or False, got {score_data!r}. HINT: score_data=False "
+                             "(default) scores plans on the compute lines only.")
+        self.score_data = score_data
         self.last_choice: str | None = None
 
-    def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None) -> None:
-        self.dqn.set_context(utilisation=utilisation, data=data)
+    def set_context(self, **context: Any) -> None:
+        """Forwarded to :meth:`DQNAllocator.set_context`."""
+        self.dqn.set_context(**context)
+
+    def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
+        return self.dqn.predict_makespan(models, plan)
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         proposal = self.dqn.allocate(models, global_batch, bounds, current)
-        safe = self.fallback.allocate(models, global_batch, bounds, current)
         fitted = _fallback_models(models)
         if fitted is None:
             self.last_choice = "equal_finish"
-            return safe
-        t_dqn = self.predicted_step_time(fitted, proposal, bounds)
-        t_safe = self.predicted_step_time(fitted, safe, bounds)
+            return proposal  # both keep the current plan or split equally
+        n = bounds.world_size
+        a, beta = self.dqn.lines(fitted, n)
+        safe = equal_finish_plan(a, beta, global_batch, np.asarray(bounds.min_batch), np.asarray(bounds.max_batch))
+        data = self.dqn.data_times(n) if self.score_data else np.zeros(n)
+        t_dqn = float(np.max(a + beta * np.asarray(proposal, dtype=np.float64) + data))
+        t_safe = float(np.max(a + beta * safe + data))
         if t_dqn <= t_safe * (1.0 + self.tolerance):
             self.last_choice = "dqn"
             return proposal
         log.info("auto allocator: DQN plan predicted %.1f%% slower than equal_finish; using equal_finish",
                  100 * (t_dqn / t_safe - 1))
         self.last_choice = "equal_finish"
-        return safe
+        return [int(v) for v in safe]
 
     def predicted_step_time(self, models: Sequence[TimeModelParams], plan: Sequence[int], bounds: Bounds) -> float:
-        data = self.dqn.data_times(bounds.world_size)
-        return float(max(m.predict(b) + d for m, b, d in zip(models, plan, data)))
+        """Kept for compatibility: :meth:`predict_makespan`."""
+        return self.predict_makespan(models, plan)
 
 
 ALLOCATORS.setdefault("dqn", DQNAllocator)

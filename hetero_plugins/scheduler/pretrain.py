@@ -38,31 +38,31 @@ def evaluate_dqn(net: QNetwork, problems: list[DecisionProblem]) -> float:
 
 
 def random_scenario(rng: np.random.Generator, max_world: int = 16) -> dict[str, Any]:
-    """A random heterogeneous cluster scenario (JSON form) for pre-training."""
+    """A random heterogeneous cluster scenario (the issue's JSON schema) for pre-training."""
     base = BUILTIN_SCENARIOS["paper_mix"]
-    types = list(base["device_types"])
+    types = list(base["devices"])
     world = int(rng.integers(2, max_world + 1))
     per_rank = int(rng.choice([16, 32, 64]))
-    groups = []
+    ranks = []
     for _ in range(world):
         data = float(rng.choice([0.0, 0.0, 0.0, rng.uniform(0.002, 0.02)]))
-        groups.append({"device": str(rng.choice(types)), "count": 1, "data": data})
+        ranks.append({"device": str(rng.choice(types)), "corunner": None, "data": data})
     events = []
     epochs = 8
     for _ in range(int(rng.integers(0, 4))):
         kind = str(rng.choice(["speed", "ramp", "ramp", "corunner"]))
-        ranks = sorted({int(r) for r in rng.integers(0, world, int(rng.integers(1, max(2, world // 3) + 1)))})
-        ev: dict[str, Any] = {"epoch": int(rng.integers(0, epochs - 1)), "kind": kind, "ranks": ranks}
+        picked = sorted({int(r) for r in rng.integers(0, world, int(rng.integers(1, max(2, world // 3) + 1)))})
+        ev: dict[str, Any] = {"epoch": int(rng.integers(0, epochs - 1)), "ranks": picked}
         if kind == "speed":
-            ev["factor"] = float(rng.uniform(0.5, 2.5))
+            ev["speed"] = float(rng.uniform(0.5, 2.5))
         elif kind == "ramp":
-            ev["factor"] = float(rng.uniform(1.3, 3.0))
-            ev["epochs"] = int(rng.integers(2, 6))
+            ev["ramp"] = float(rng.uniform(1.3, 3.0))
+            ev["over"] = int(rng.integers(2, 6))
         else:
             names = [*base["interference"], None]
             ev["corunner"] = names[int(rng.integers(0, len(names)))]
         events.append(ev)
-    return {**base, "name": "random", "global_batch": world * per_rank, "ranks": groups, "events": events,
+    return {**base, "name": "random", "global_batch": world * per_rank, "ranks": ranks, "events": events,
             "epochs": epochs, "steps_per_epoch": 5, "description": "random"}
 
 
@@ -121,7 +121,10 @@ def pretrain_dqn(
 _DEMAND = {
     "training": (0.6, 0.5, 0.2), "resnet": (0.7, 0.4, 0.2), "bert": (0.5, 0.7, 0.1), "video": (0.4, 0.3, 0.8),
     "inference": (0.5, 0.2, 0.3), "etl": (0.1, 0.2, 0.9), "gnn": (0.3, 0.8, 0.4),
+    "memcpy": (0.05, 0.5, 0.9),  # host <-> device copies: memory bandwidth and PCIe; a co-runner only
 }
+#: Demand rows that are co-runners only (not workloads of the training job).
+_CORUNNER_ONLY = ("memcpy",)
 _CAPACITY = {"a100": (2.0, 2.0, 1.2), "v100": (1.2, 1.4, 1.0), "t4": (0.6, 0.6, 0.8), "k80": (0.5, 0.8, 0.6),
              "cpu": (0.8, 1.0, 0.3)}
 
@@ -130,8 +133,8 @@ def slowdown_table(workloads: list[str] | None = None, corunners: list[str] | No
                    noise: float = 0.02, seed: int = 0) -> list[tuple[str, str, str, float]]:
     """Synthetic ``(workload, device, corunner, slowdown)`` rows from a resource-pressure model."""
     rng = np.random.default_rng(seed)
-    workloads = workloads or list(_DEMAND)
-    corunners = corunners or ["video", "inference", "etl", "training"]
+    workloads = workloads or [w for w in _DEMAND if w not in _CORUNNER_ONLY]
+    corunners = corunners or ["video", "inference", "etl", "training", "memcpy"]
     rows = []
     for w in workloads:
         for d, cap in _CAPACITY.items():
@@ -152,7 +155,7 @@ def pretrain_ncf(seconds: float = 20.0, seed: int = 0, out: str | Path | None = 
     n_test = int(len(rows) * holdout)
     test, train = [rows[i] for i in idx[:n_test]], [rows[i] for i in idx[n_test:]]
     corunners = sorted({c for *_, c, _ in rows})
-    p = InterferencePredictor(sorted(_DEMAND), sorted(_CAPACITY), corunners, seed=seed)
+    p = InterferencePredictor(sorted({w for w, *_ in rows}), sorted(_CAPACITY), corunners, seed=seed)
     untrained = p.mse(test)
     mean_log = float(np.mean(np.log([s for *_, s in train])))
     baseline = float(np.mean((np.log([s for *_, s in test]) - mean_log) ** 2))

@@ -5,7 +5,8 @@ transfer learning; the recipe is not public, so this is the usual equivalent (sh
 
 - DQN: copy the weights. The scorer is shared across ranks, so a different rank count needs no new output
   head. Fine-tune on the new cluster's decisions with the lower layers frozen for the first
-  ``freeze_fraction`` of the budget, then everything at a smaller learning rate, with little exploration.
+  ``freeze_fraction`` of the budget, then everything at a smaller learning rate, with little exploration,
+  keeping the checkpoint that scores best on validation decisions (early stopping).
 - NCF: copy the embeddings of known workloads / device types / co-runners; new names start from the mean
   of the known ones; fine-tune on the new slowdown samples plus the source's own predictions (rehearsal).
 """
@@ -35,30 +36,47 @@ def transfer_dqn(
     noise_seeds: int = 20,
     seed: int = 0,
     out: str | Path | None = None,
+    checkpoints: int = 10,
 ) -> tuple[QNetwork, dict[str, Any]]:
     """Fine-tune a DQN (default: the shipped one) on ``scenario``'s decisions; save to ``out`` if given.
 
-    Returns the network and ``{"before", "after"}``: the mean ratio of true makespans to equal_finish's on
-    held-out decisions of the scenario (lower is better); the better of source and fine-tuned is returned.
+    The budget runs in ``checkpoints`` slices; after each, the network is scored on *validation* decisions
+    (other noise draws of the scenario) and the best one so far, the source included, is kept (early
+    stopping, so fine-tuning never returns a network worse on validation than the one it started from).
+    Returns the kept network and ``{"before", "after"}``: the mean ratio of true makespans to equal_finish's
+    on held-out *test* decisions (lower is better), plus the validation history.
     """
     import torch
 
+    from hetero_plugins._validation import check_float, check_int
+
+    check_float("seconds", seconds, minimum=0.0, strict_minimum=True, hint="give a positive budget, e.g. 20")
+    check_float("freeze_fraction", freeze_fraction, minimum=0.0, maximum=1.0, hint="e.g. 0.3")
+    check_int("checkpoints", checkpoints, minimum=1, hint="e.g. 10")
     torch.set_num_threads(1)
     net = source if isinstance(source, QNetwork) else QNetwork.load(source)
     rng = np.random.default_rng(seed)
     train = [p for _ in range(noise_seeds) for p in decision_problems(scenario, rng)]
+    valid = [p for _ in range(2) for p in decision_problems(scenario, rng)]
     test = [p for _ in range(3) for p in decision_problems(scenario, rng)]
     before = evaluate_dqn(net, test)
     trainer = DQNTrainer(net=net, lr=lr, eps_start=0.1, eps_end=0.02, eps_decay=100, seed=seed)
-    trainer.freeze_lower(True)
-    trainer.train(train, seconds=seconds * freeze_fraction)
-    trainer.freeze_lower(False)
-    trainer.set_lr(lr / 3)
-    trainer.train(train, seconds=seconds * (1 - freeze_fraction))
-    tuned = trainer.network()
-    after = evaluate_dqn(tuned, test)
-    best = tuned if after <= before else net
-    stats = {"before": round(before, 4), "after": round(after, 4), "kept": "fine-tuned" if after <= before else "source",
+    best, best_val = net, evaluate_dqn(net, valid)
+    history = [round(best_val, 4)]
+    trainer.freeze_lower(freeze_fraction > 0)
+    for k in range(checkpoints):
+        if k >= freeze_fraction * checkpoints:
+            trainer.freeze_lower(False)
+            trainer.set_lr(lr / 3)
+        trainer.train(train, seconds=seconds / checkpoints)
+        cand = trainer.network()
+        v = evaluate_dqn(cand, valid)
+        history.append(round(v, 4))
+        if v < best_val:
+            best, best_val = cand, v
+    after = evaluate_dqn(best, test)
+    stats = {"before": round(before, 4), "after": round(after, 4),
+             "kept": "source" if best is net else "fine-tuned", "validation": history,
              "episodes": trainer.episodes, "updates": trainer.updates}
     if out is not None:
         best.save(out, transfer=stats)
