@@ -5,7 +5,7 @@ PYTHON ?= python3
 STAMP := $(VENV)/.hetero-installed
 HVD_STAMP := $(VENV)/.horovod-installed
 
-.PHONY: install horovod demo test bench bench-scheduler clean
+.PHONY: install horovod demo test bench bench-scheduler bench-aggregation clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(STAMP) $(HVD_STAMP)
 # The learned scheduler (issue 4) against its targets on the simulator; updates the table in docs/scheduler.md.
 bench-scheduler: $(STAMP)
 	$(PY) benchmarks/scheduler_bench.py --out bench_output/scheduler.json --update-docs docs/scheduler.md
+
+# The aggregation modes (issue 5) under stalls, a mid-epoch speed change and local SGD; updates README.md.
+bench-aggregation: $(STAMP)
+	$(PY) benchmarks/aggregation_bench.py --out bench_output/aggregation.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -25,8 +25,8 @@ mode               what a step does                                             
                    applies step k's reduced gradient, corrected by an adaptive          communication; one
                    exponential smoothing (Wen et al. 2023).                             step of staleness
 ``local_sgd``      H local optimizer steps between sample-weighted model averages       communication / H;
-                   (Lin et al. 2018; adaptive global batch by a norm test, Lau et al.   model drift between
-                   2024).                                                               averages
+                   (Lin et al. 2018); each rank's batch keeps following its speed.      model drift between
+                                                                                        averages
 =================  ==================================================================  =====================
 """
 
@@ -49,7 +49,7 @@ _OPTIONS_OF = {
     "deadline": ("micro_batches", "deadline_slack"),
     "wbsp": ("micro_batches", "claim_timeout"),
     "pseudo_sync": ("smoothing", "min_confidence"),
-    "local_sgd": ("local_steps", "adaptive_batch", "max_global_batch"),
+    "local_sgd": ("local_steps",),
 }
 
 _DEFAULTS: dict[str, Any] = {
@@ -59,8 +59,6 @@ _DEFAULTS: dict[str, Any] = {
     "smoothing": 0.9,
     "min_confidence": 0.5,
     "local_steps": 4,
-    "adaptive_batch": False,
-    "max_global_batch": None,
 }
 
 
@@ -82,10 +80,6 @@ class AggregationOptions:
         min_confidence: ``pseudo_sync``: lower clip of the confidence in the delayed gradient (default 0.5;
             1.0 applies the plain one-step-delayed gradient).
         local_steps: ``local_sgd``: local steps H between model averages (default 4).
-        adaptive_batch: ``local_sgd``: grow the global batch at epoch ends when the norm test on the ranks'
-            model deltas says gradient noise dominates (default False).
-        max_global_batch: ``local_sgd`` with ``adaptive_batch``: cap of the grown global batch (default: 8x the
-            starting one).
 
     Example::
 
@@ -104,8 +98,6 @@ class AggregationOptions:
     smoothing: float | None = None
     min_confidence: float | None = None
     local_steps: int | None = None
-    adaptive_batch: bool | None = None
-    max_global_batch: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("aggregation", self.mode, AGGREGATION_MODES)
@@ -135,10 +127,6 @@ class AggregationOptions:
             check_float("min_confidence", self.min_confidence, minimum=0.0, maximum=1.0)
         if self.local_steps is not None:
             check_int("local_steps", self.local_steps, minimum=1, hint="1 averages after every step")
-        if self.adaptive_batch is not None and not isinstance(self.adaptive_batch, bool):
-            raise ValueError(f"`adaptive_batch` must be a bool, got {self.adaptive_batch!r}.")
-        if self.max_global_batch is not None:
-            check_int("max_global_batch", self.max_global_batch, minimum=1)
 
     @property
     def micro_batched(self) -> bool:

@@ -988,12 +988,6 @@ class AggregatingOptimizer(torch.optim.Optimizer):
                 "aggregation='wbsp' loads micro-batches of other ranks' shares, so it needs `dataset` (got None). "
                 "HINT: DistributedOptimizer(..., aggregation='wbsp', dataset=train_set, collate_fn=loader.collate_fn)."
             )
-        if mode == "local_sgd" and options.adaptive_batch:
-            raise ValueError(
-                "`adaptive_batch`=True is not supported by hetero_plugins.horovod: the HeteroBatchSampler keeps its "
-                "global batch fixed. HINT: drop adaptive_batch (and max_global_batch), or grow the batch with the "
-                "Lightning strategies."
-            )
         if collate_fn is not None and not callable(collate_fn):
             raise ValueError(f"`collate_fn` must be callable, got {collate_fn!r}. HINT: pass loader.collate_fn.")
         if model is not None and not isinstance(model, torch.nn.Module):

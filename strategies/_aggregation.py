@@ -237,43 +237,59 @@ class AggregationMixin:
             epoch = trainer.current_epoch
             per_rank = [len(micro_batch_sizes(c, parts)) for c in counts]
             claims = StepClaims(self._store, f"hp/{epoch}/{batch_idx}", per_rank)
-            target = self._balanced_step_time(counts)  # when every rank would finish if work were shared evenly
-            pace = self._expected_pace(counts[rank])
-            free_key = f"hp/{epoch}/{batch_idx}/free"
+            results_reported: list[bool] = []
+            prefix = f"hp/{epoch}/{batch_idx}"
+            model_rates = self._model_rates(counts)
 
             def others_free() -> bool:
-                return int(self._store.add(free_key, 0)) > 0
+                return int(self._store.add(f"{prefix}/free", 0)) > 0
 
-            def stalled() -> bool:
-                done = processed()
-                return pace is not None and done > 0 and (time.perf_counter() - start) / done > 1.5 * pace
+            def balanced_time() -> float:
+                """Seconds into the step at which all ranks would finish if the step's samples were shared by
+                this step's measured rates (reported after each rank's first unit; the time model's rate, or
+                the mean reported one, for a rank that has not reported yet)."""
+                reported = [int(self._store.add(f"{prefix}/rate/{r}", 0)) / 1000.0 for r in range(len(counts))]
+                known = [x for x in reported if x > 0]
+                rates = [x if x > 0 else (m if m else (sum(known) / len(known) if known else 0.0))
+                         for x, m in zip(reported, model_rates)]
+                return planned / sum(rates) if all(x > 0 for x in rates) else math.inf
 
             while (left := len(sizes) - claims.claimed(rank)) > 0:
-                remaining = offsets[-1] - offsets[len(sizes) - left]
+                first = len(sizes) - left
                 if not results:
                     count = 1  # one unit first: it tells this rank's pace in this step
-                elif finish(remaining) > 1.1 * target:
-                    # Behind: one unit at a time. A rank that is far slower than its time model says (a stall)
-                    # leaves its next unit to the ranks that finish their shares first (WBSP's busy workers),
-                    # taking it back only if nobody has by the time the step should have ended.
-                    if stalled() and finish(sizes[len(sizes) - left]) > 1.1 * target:
-                        while time.perf_counter() - start < 1.1 * target and claims.claimed(rank) < len(sizes):
-                            time.sleep(0.002)
-                    count = 1
-                elif others_free():
-                    count = 1  # another rank is idle: share the rest unit by unit
                 else:
-                    count = left  # on time and nobody idle: the rest of the share in one piece
+                    elapsed = time.perf_counter() - start
+                    rate = processed() / max(elapsed, 1e-9)
+                    if not results_reported:
+                        self._store.add(f"{prefix}/rate/{rank}", max(1, int(rate * 1000)))
+                        results_reported.append(True)
+                    # Claim what this rank can finish by the balanced time; the rest is left to the ranks that
+                    # finish their shares first (WBSP's busy workers).
+                    budget = (1.05 * balanced_time() - elapsed) * rate
+                    count, acc = 0, 0
+                    for unit in sizes[first:]:
+                        if acc + unit > budget:
+                            break
+                        acc, count = acc + unit, count + 1
+                    if count == 0:
+                        # Past the balanced time: give idle ranks a moment to take the next unit, then take it.
+                        deadline = 1.2 * balanced_time()
+                        while (others_free() and time.perf_counter() - start < deadline
+                               and claims.claimed(rank) < len(sizes)):
+                            time.sleep(0.002)
+                        count = 1
                 got = claims.claim_many(rank, count)
                 if got:
                     lo, hi = offsets[got.start], offsets[got.stop]
                     run(take_rows(batch, lo, hi), hi - lo)
-            self._store.add(free_key, 1)
+            self._store.add(f"{prefix}/free", 1)
+            unit = max(per_rank_size(counts, parts))
             while claims.left(exclude=rank):
-                # A thief takes a micro-batch only if it would finish it in reasonable time; a slower rank leaves
-                # it to faster ones, and takes it anyway once the step is overdue (no micro-batch is stranded).
-                unit = max(per_rank_size(counts, parts))
-                if finish(unit) > 1.5 * target and time.perf_counter() - start < 1.5 * target and results:
+                # A thief takes a unit only if it would finish it in reasonable time; a slower rank leaves it
+                # to faster ones, and takes it anyway once the step is overdue (no unit is stranded).
+                horizon = 1.5 * balanced_time()
+                if results and finish(unit) > horizon and time.perf_counter() - start < horizon:
                     time.sleep(0.002)
                     continue
                 stolen = claims.steal(exclude=rank)
@@ -283,7 +299,7 @@ class AggregationMixin:
                 data, samples = self._load_micro_batch(own, batch_idx, victim, j, counts[victim], parts, trainer)
                 run(data, samples)
                 self.stolen_samples += samples
-            self._forget_claims(f"hp/{epoch}/{batch_idx}/{rank}")
+            self._forget_claims([f"{prefix}/{rank}", f"{prefix}/rate/{rank}", f"{prefix}/free"])
         done = sum(n for _, _, n in results)
         self._step_samples, self._step_global = done, planned
         self.balancer.timer.set_samples(done)
@@ -301,26 +317,15 @@ class AggregationMixin:
             return out
         return placeholder
 
-    def _expected_pace(self, samples: int) -> float | None:
-        """This rank's predicted seconds per sample for a share of ``samples`` (``None`` without a time model)."""
+    def _model_rates(self, counts: Any) -> list[float | None]:
+        """Each rank's predicted samples per second under ``counts`` (``None`` without a time model)."""
         planner = self.balancer.planner
-        params = None if planner is None or samples <= 0 else planner.model_params()[self.global_rank]  # type: ignore[attr-defined]
-        seconds = params.predict(samples) if params is not None else math.nan
-        return seconds / samples if math.isfinite(seconds) and seconds > 0 else None
-
-    def _balanced_step_time(self, counts: Any) -> float:
-        """Predicted seconds of a step whose samples are shared so that every rank finishes together (from the
-        time models' per-sample paces under ``counts``); ``inf`` while a model is missing."""
-        planner = self.balancer.planner
-        if planner is None:
-            return math.inf
-        rates = []
-        for params, b in zip(planner.model_params(), counts):
+        out: list[float | None] = []
+        for r, b in enumerate(counts):
+            params = planner.model_params()[r] if planner is not None else None
             seconds = params.predict(b) if params is not None and b > 0 else math.nan
-            if not math.isfinite(seconds) or seconds <= 0:
-                return math.inf
-            rates.append(b / seconds)
-        return sum(counts) / sum(rates)
+            out.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
+        return out
 
     def _run_micro_batch(
         self, data: Any, samples: int, planned: int, batch_idx: int, rest: tuple, kwargs: dict
@@ -351,13 +356,15 @@ class AggregationMixin:
         data = loader.collate_fn([loader.dataset[i] for i in chosen])
         return self.batch_to_device(data), len(chosen)  # type: ignore[attr-defined]
 
-    def _forget_claims(self, key: str) -> None:
-        self._store_keys += [key, key.rsplit("/", 1)[0] + "/free"]
-        while len(self._store_keys) > 8:  # keep the last steps' counters: slower ranks may still read them
-            try:
-                self._store.delete_key(self._store_keys.pop(0))
-            except Exception:  # noqa: BLE001 - cleanup only
-                pass
+    def _forget_claims(self, keys: list[str]) -> None:
+        """Delete a step's counters a few steps later (slower ranks may still read them meanwhile)."""
+        self._store_keys.append(keys)
+        while len(self._store_keys) > 4:
+            for key in self._store_keys.pop(0):
+                try:
+                    self._store.delete_key(key)
+                except Exception:  # noqa: BLE001 - cleanup only
+                    pass
 
     # ------------------------------------------------------------------ the exchange
     def _aggregated_optimizer_step(self, optimizer: Any, closure: Any, model: Any, kwargs: dict, step_fn: Any) -> Any:

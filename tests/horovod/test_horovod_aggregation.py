@@ -39,7 +39,6 @@ def test_errors_name_argument_value_and_fix(results):
         "op_average": ("op", "hvd.Sum"),
         "predivide": ("gradient_predivide_factor", "2.0"),
         "compression": ("compression", "local_sgd"),
-        "adaptive_batch": ("adaptive_batch", "True"),
         "step_without_micro_batches": ("micro_batches", "deadline"),
     }
     for case, words in expected.items():

@@ -184,7 +184,6 @@ def phase_errors(data: Any) -> dict[str, Any]:
         "op_average": lambda: build("pseudo_sync", op=hvd.Average),
         "predivide": lambda: build("local_sgd", gradient_predivide_factor=2.0),
         "compression": lambda: build("local_sgd", compression=hvd.Compression.fp16),
-        "adaptive_batch": lambda: build(AggregationOptions("local_sgd", adaptive_batch=True)),
     }
     out: dict[str, Any] = {}
     for name, fn in cases.items():
