@@ -8,7 +8,8 @@ epoch); the emulator gives them speeds 1, 1, 0.5, 0.25 at 4 ms per sample at spe
    (``replan_every=None``, ``"weighted"``), and ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"`` (with
    mid-epoch replanning). Reported: mean training seconds per epoch over epochs 1.., the ratio to per-epoch
    rebalancing alone (target >= 1.3x for deadline or wbsp), and final accuracy against stock DDP (target
-   within 0.5 points).
+   within 0.5 points). ``pseudo_sync`` runs at SGD momentum 0.5 (a one-step-late gradient diverges at 0.9)
+   and is compared with per-epoch rebalancing at momentum 0.5.
 2. **A persistent speed change mid-epoch**: four equal ranks; rank 3 drops to a quarter of its speed from
    step 1 of epoch 2 on. The ideal step time afterwards is the measured pre-change step time x 4 / 3.25
    (the lost capacity); reported is ideal / measured for each of the 10 steps after the change (target
@@ -50,24 +51,27 @@ def bytes_per_epoch(run: dict[str, Any]) -> float:
 
 def stalls_scenario(epochs: int) -> dict[str, Any]:
     stalls = RandomStalls(probability=0.1, min_steps=4, max_steps=12, slowdown=4.0, seed=1)
-    configs: list[tuple[str, str, Any, int | None]] = [
-        ("stock DDP", "ddp", None, None),
-        ("per-epoch rebalancing", "hetero", None, None),
-        ("deadline", "hetero", "deadline", 5),
-        ("wbsp", "hetero", "wbsp", 5),
-        ("pseudo_sync", "hetero", "pseudo_sync", 5),
+    # pseudo_sync applies each gradient one step late, which heavy-ball momentum 0.9 at lr 0.1 does not survive
+    # (see the strategy's warning); it runs at momentum 0.5, with per-epoch rebalancing at 0.5 as its reference.
+    configs: list[tuple[str, str, Any, int | None, float]] = [
+        ("stock DDP", "ddp", None, None, 0.9),
+        ("per-epoch rebalancing", "hetero", None, None, 0.9),
+        ("deadline", "hetero", "deadline", 5, 0.9),
+        ("wbsp", "hetero", "wbsp", 5, 0.9),
+        ("per-epoch rebalancing, momentum 0.5", "hetero", None, None, 0.5),
+        ("pseudo_sync, momentum 0.5", "hetero", "pseudo_sync", 5, 0.5),
     ]
     runs = {}
-    for name, mode, aggregation, every in configs:
+    for name, mode, aggregation, every, momentum in configs:
         runs[name] = run_digits_job(mode, SPEEDS, COST, epochs, stalls=stalls, replan_every=every,
-                                    aggregation=aggregation, label=f"stalls/{name}")
-    base = steady_mean(runs["per-epoch rebalancing"], 1)
-    ddp_acc = final_acc(runs["stock DDP"])
+                                    aggregation=aggregation, momentum=momentum, label=f"stalls/{name}")
     rows = []
     for name, run in runs.items():
+        ref = "per-epoch rebalancing, momentum 0.5" if "momentum 0.5" in name else "per-epoch rebalancing"
+        acc_ref = final_acc(runs[ref if "momentum 0.5" in name else "stock DDP"])
         t = steady_mean(run, 1)
-        rows.append({"name": name, "epoch_s": t, "vs_per_epoch": base / t, "acc": final_acc(run),
-                     "acc_delta": final_acc(run) - ddp_acc})
+        rows.append({"name": name, "epoch_s": t, "vs_per_epoch": steady_mean(runs[ref], 1) / t, "acc": final_acc(run),
+                     "acc_delta": final_acc(run) - acc_ref})
     stalled = sorted({(e, r) for e in range(epochs) for r in range(4) for s in range(12) if stalls.factor(r, e, s) > 1})
     return {"rows": rows, "stalled_epoch_rank": stalled, "runs": runs}
 
@@ -106,13 +110,14 @@ def local_sgd_scenario(epochs: int) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| scenario | run | s/epoch | vs per-epoch rebalancing | accuracy (vs stock DDP) | target |",
+    lines = ["| scenario | run | s/epoch | vs per-epoch rebalancing | accuracy (vs stock DDP*) | target |",
              "|---|---|---|---|---|---|"]
     for row in result["stalls"]["rows"]:
         target = ">= 1.3x, within 0.5 pt" if row["name"] in ("deadline", "wbsp") else ""
         lines.append(f"| stalls p=0.1 | {row['name']} | {row['epoch_s']:.2f} | {row['vs_per_epoch']:.2f}x | "
                      f"{row['acc']:.2f}% ({row['acc_delta']:+.2f}) | {target} |")
-    lines += ["", "| speed change mid-epoch | ideal/measured, 10th step after | mean, steps 6-10 | first step >= 0.85 |"
+    lines += ["", "\\* the momentum-0.5 rows compare with per-epoch rebalancing at momentum 0.5.", "",
+              "| speed change mid-epoch | ideal/measured, 10th step after | mean, steps 6-10 | first step >= 0.85 |"
               " target |", "|---|---|---|---|---|"]
     for row in result["speed_change"]["rows"]:
         lines.append(f"| {row['name']} | {row['ratio_at_10']:.2f} | {row['mean_steps_6_10']:.2f} | "

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from hetero_plugins.aggregation import AggregationOptions, resolve_aggregation
 from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
 from hetero_plugins.microbatch import CarryQueue, DeadlineRule, MicroBatch, StepClaims, micro_batch_sizes, take_rows
@@ -144,6 +146,17 @@ class AggregationMixin:
             from hetero_plugins.pseudo_sync import DelayedExchange, PseudoSyncCorrector
 
             self._corrector = PseudoSyncCorrector(smoothing=mode.smoothing, min_confidence=mode.min_confidence)  # type: ignore[arg-type]
+            momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in self.optimizers[0].param_groups)  # type: ignore[attr-defined]
+            if momentum > 0.5:
+                # Heavy-ball SGD on a quadratic of curvature h is stable for lr*h < 2(1 + momentum); with the
+                # gradient one step late the bound drops to lr*h < 1 - momentum (0.1 at momentum 0.9).
+                rank_zero_warn(
+                    f"aggregation='pseudo_sync' applies each gradient one step late, and with SGD momentum "
+                    f"{momentum} that is stable only for learning rates about {2 * (1 + momentum) / (1 - momentum):.0f}x "
+                    "smaller than without the delay (the digits CNN at lr 0.1, momentum 0.9 diverges). HINT: use "
+                    "momentum <= 0.5 or a smaller learning rate with pseudo_sync.",
+                    category=RuntimeWarning,
+                )
             self._delayed = DelayedExchange(self._allreduce_sum_async)
             self._skip_first = True
         elif mode.mode == "local_sgd":

@@ -28,6 +28,7 @@ def run_digits_job(
     stalls: Any = None,
     replan_every: int | None = 5,
     aggregation: Any = None,
+    momentum: float = 0.9,
 ) -> dict[str, Any]:
     """Train the digits CNN on ``len(speeds)`` spawned CPU ranks; return rank 0's record.
 
@@ -39,6 +40,7 @@ def run_digits_job(
         stalls: transient stalls for the emulator (``Stall`` entries or a ``RandomStalls``).
         replan_every: the strategy's mid-epoch replanning interval (``None``: epoch ends only).
         aggregation: the strategy's ``aggregation=`` (``None``: ``"weighted"``).
+        momentum: SGD momentum of the CNN.
 
     Returns:
         ``{"epochs": [...], "plan_history": [...]}``: per-epoch train time, wall time, val accuracy and loss,
@@ -77,7 +79,7 @@ def run_digits_job(
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp,
     )
-    trainer.fit(DigitsCNN(batch_size=batch_size, seed=seed))
+    trainer.fit(DigitsCNN(batch_size=batch_size, seed=seed, momentum=momentum))
     return json.loads(record.read_text())
 
 
