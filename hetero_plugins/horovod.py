@@ -73,13 +73,12 @@ from hetero_plugins.local_sgd import LocalSGDSchedule, weighted_average_
 from hetero_plugins.microbatch import (
     CarryQueue,
     DeadlineRule,
-    MicroBatch,
     StepClaims,
     batch_length,
     micro_batch_sizes,
-    split_batch,
 )
 from hetero_plugins.pseudo_sync import DelayedExchange, PseudoSyncCorrector
+from hetero_plugins.work_sharing import deadline_micro_batches, wbsp_micro_batches
 from hetero_plugins.allocators import Allocator
 from hetero_plugins.partition import EpochLayout, epoch_layout, epoch_shards
 from hetero_plugins.planner import BalancePlanner
@@ -1138,42 +1137,42 @@ class AggregatingOptimizer(torch.optim.Optimizer):
                         "was cut short)", self._carry.clear())
         parts = int(options.micro_batches)  # type: ignore[arg-type]
         sizes = micro_batch_sizes(counts[rank], parts)
-        pieces = split_batch(batch, sizes)
         weighting = self.hetero_weighting
         self._mb, self._mb_samples, self._mb_planned = "running", 0, planned
-        start = time.perf_counter()
         if options.mode == "deadline":
             last = step + 1 >= layout.steps  # the epoch's last step has no deadline: the carry is flushed
             predicted = sampler.planner.predict_step_time(counts)
             rule = DeadlineRule(math.inf if last else options.deadline(predicted))
-            queue = self._carry.take_all() + [
-                MicroBatch(d, s, rank, step, j) for j, (d, s) in enumerate(zip(pieces, sizes))
-            ]
-            for j, mb in enumerate(queue):
-                if j > 0 and not rule.allows(time.perf_counter() - start, self._mb_samples, mb.samples):
-                    self._carry.extend(queue[j:])
-                    self.carried_samples += sum(m.samples for m in queue[j:])
-                    break
+            before, from_carry = self._carry.samples, 0
+            for mb in deadline_micro_batches(batch, sizes, rule, self._carry, rank, step):
                 weighting.set_weight(mb.samples / planned)
                 yield mb.data
                 self._mb_samples += mb.samples
+                from_carry += mb.samples if mb.step != step else 0
+            self.carried_samples += self._carry.samples - (before - from_carry)  # newly carried this step
         else:  # wbsp
             prefix = f"hetero_plugins/{self._steps}"
             per_rank = [len(micro_batch_sizes(c, parts)) for c in counts]
             claims = StepClaims(self._store, prefix, per_rank)
-            while (j := claims.claim(rank)) is not None:
-                weighting.set_weight(sizes[j] / planned)
-                yield pieces[j]
-                self._mb_samples += sizes[j]
             device = _device_of(batch)
-            while (stolen := claims.steal(exclude=rank)) is not None:
-                victim, j = stolen
-                data, samples = self._load_micro_batch(step, victim, j, counts[victim], parts, device)
-                weighting.set_weight(samples / planned)
-                yield data
-                self._mb_samples += samples
-                self.stolen_samples += samples
+
+            def load(owner: int, index: int) -> tuple[Any, int]:
+                return self._load_micro_batch(step, owner, index, counts[owner], parts, device)
+
+            planner = sampler.planner
+            rates = []
+            for params, b in zip(planner.model_params(), counts):
+                seconds = params.predict(b) if params is not None and b > 0 else math.nan
+                rates.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
+            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, rates):
+                weighting.set_weight(mb.samples / planned)
+                yield mb.data
+                self._mb_samples += mb.samples
+                if mb.owner != rank:
+                    self.stolen_samples += mb.samples
             self._forget_claims(f"{prefix}/{rank}")
+            self._forget_claims(f"{prefix}/rate/{rank}")
+            self._forget_claims(f"{prefix}/free")
         timer = sampler.timer
         timer.set_samples(self._mb_samples)  # stolen samples count for this rank, missed ones do not
         timer.mark_gradients_ready()
@@ -1305,7 +1304,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
 
     def _forget_claims(self, key: str) -> None:
         self._store_keys.append(key)
-        while len(self._store_keys) > 2:  # a step's counters are dead once every rank passed its exchange
+        while len(self._store_keys) > 6:  # three keys a step; a step's keys are dead once every rank passed its exchange
             try:
                 self._store.delete_key(self._store_keys.pop(0))
             except Exception:  # noqa: BLE001 - cleanup only

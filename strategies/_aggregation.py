@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import socket
-import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -32,16 +31,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from hetero_plugins.aggregation import AggregationOptions, resolve_aggregation
 from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
-from hetero_plugins.microbatch import CarryQueue, DeadlineRule, MicroBatch, StepClaims, micro_batch_sizes, take_rows
+from hetero_plugins.microbatch import CarryQueue, DeadlineRule, StepClaims, micro_batch_sizes
+from hetero_plugins.work_sharing import deadline_micro_batches, wbsp_micro_batches
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AggregationMixin"]
-
-
-def per_rank_size(counts: Any, parts: int) -> list[int]:
-    """The largest micro-batch of each rank's share."""
-    return [max(micro_batch_sizes(c, parts), default=0) for c in counts]
 
 
 class _StepWeight:
@@ -206,112 +201,34 @@ class AggregationMixin:
         planned = sum(counts)
         parts = int(self.aggregation.micro_batches)  # type: ignore[arg-type]
         sizes = micro_batch_sizes(counts[rank], parts)
-        offsets = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
         for p in self._params:
             p.grad = None  # Lightning zeroes gradients only after training_step
-        start = time.perf_counter()
         results: list[tuple[Any, float, int]] = []
 
         def run(data: Any, samples: int) -> None:
             results.append(self._run_micro_batch(data, samples, planned, batch_idx, extra, kwargs))
 
-        def processed() -> int:
-            return sum(n for _, _, n in results)
-
-        def finish(extra_samples: int) -> float:
-            """Seconds into the step at which ``extra_samples`` more would be done, at this step's pace so far."""
-            elapsed, done = time.perf_counter() - start, processed()
-            return elapsed + (elapsed / done) * extra_samples if done else math.inf
-
         if self.aggregation.mode == "deadline":
             last = batch_idx + 1 >= trainer.num_training_batches or bool(trainer.is_last_batch)
             predicted = self.balancer.planner.predict_step_time(counts) if self.balancer.planner else math.nan
             rule = DeadlineRule(math.inf if last else self.aggregation.deadline(predicted))
-            queue = self._carry.take_all()  # carried micro-batches first, then this step's share
-            j = 0
-            while queue or j < len(sizes):
-                if not queue:  # the rest of the share in one piece when it fits before the deadline
-                    k = len(sizes) - j if finish(offsets[-1] - offsets[j]) <= rule.deadline else 1
-                    queue.append(MicroBatch(take_rows(batch, offsets[j], offsets[j + k]), offsets[j + k] - offsets[j],
-                                            rank, batch_idx, j))
-                    j += k
-                mb = queue[0]
-                if results and not rule.allows(time.perf_counter() - start, processed(), mb.samples):
-                    break
-                queue.pop(0)
+            before, from_carry = self._carry.samples, 0
+            for mb in deadline_micro_batches(batch, sizes, rule, self._carry, rank, batch_idx):
                 run(mb.data, mb.samples)
-            left = queue + [MicroBatch(take_rows(batch, offsets[i], offsets[i + 1]), sizes[i], rank, batch_idx, i)
-                            for i in range(j, len(sizes))]
-            if left:  # missed the deadline: this rank's unstarted work moves to its next steps
-                self._carry.extend(left)
-                self.carried_samples += sum(m.samples for m in left)
+                from_carry += mb.samples if mb.step != batch_idx else 0
+            self.carried_samples += self._carry.samples - (before - from_carry)  # newly carried this step
         else:  # wbsp
             self._start_claim_store()
-            epoch = trainer.current_epoch
-            per_rank = [len(micro_batch_sizes(c, parts)) for c in counts]
-            claims = StepClaims(self._store, f"hp/{epoch}/{batch_idx}", per_rank)
-            results_reported: list[bool] = []
-            prefix = f"hp/{epoch}/{batch_idx}"
-            model_rates = self._model_rates(counts)
+            prefix = f"hp/{trainer.current_epoch}/{batch_idx}"
+            claims = StepClaims(self._store, prefix, [len(micro_batch_sizes(c, parts)) for c in counts])
 
-            def others_free() -> bool:
-                return int(self._store.add(f"{prefix}/free", 0)) > 0
+            def load(owner: int, index: int) -> tuple[Any, int]:
+                return self._load_micro_batch(own, batch_idx, owner, index, counts[owner], parts, trainer)
 
-            def balanced_time() -> float:
-                """Seconds into the step at which all ranks would finish if the step's samples were shared by
-                this step's measured rates (reported after each rank's first unit; the time model's rate, or
-                the mean reported one, for a rank that has not reported yet)."""
-                reported = [int(self._store.add(f"{prefix}/rate/{r}", 0)) / 1000.0 for r in range(len(counts))]
-                known = [x for x in reported if x > 0]
-                rates = [x if x > 0 else (m if m else (sum(known) / len(known) if known else 0.0))
-                         for x, m in zip(reported, model_rates)]
-                return planned / sum(rates) if all(x > 0 for x in rates) else math.inf
-
-            while (left := len(sizes) - claims.claimed(rank)) > 0:
-                first = len(sizes) - left
-                if not results:
-                    count = 1  # one unit first: it tells this rank's pace in this step
-                else:
-                    elapsed = time.perf_counter() - start
-                    rate = processed() / max(elapsed, 1e-9)
-                    if not results_reported:
-                        self._store.add(f"{prefix}/rate/{rank}", max(1, int(rate * 1000)))
-                        results_reported.append(True)
-                    # Claim what this rank can finish by the balanced time; the rest is left to the ranks that
-                    # finish their shares first (WBSP's busy workers).
-                    budget = (1.05 * balanced_time() - elapsed) * rate
-                    count, acc = 0, 0
-                    for unit in sizes[first:]:
-                        if acc + unit > budget:
-                            break
-                        acc, count = acc + unit, count + 1
-                    if count == 0:
-                        # Past the balanced time: give idle ranks a moment to take the next unit, then take it.
-                        deadline = 1.2 * balanced_time()
-                        while (others_free() and time.perf_counter() - start < deadline
-                               and claims.claimed(rank) < len(sizes)):
-                            time.sleep(0.002)
-                        count = 1
-                got = claims.claim_many(rank, count)
-                if got:
-                    lo, hi = offsets[got.start], offsets[got.stop]
-                    run(take_rows(batch, lo, hi), hi - lo)
-            self._store.add(f"{prefix}/free", 1)
-            unit = max(per_rank_size(counts, parts))
-            while claims.left(exclude=rank):
-                # A thief takes a unit only if it would finish it in reasonable time; a slower rank leaves it
-                # to faster ones, and takes it anyway once the step is overdue (no unit is stranded).
-                horizon = 1.5 * balanced_time()
-                if results and finish(unit) > horizon and time.perf_counter() - start < horizon:
-                    time.sleep(0.002)
-                    continue
-                stolen = claims.steal(exclude=rank)
-                if stolen is None:
-                    break
-                victim, j = stolen
-                data, samples = self._load_micro_batch(own, batch_idx, victim, j, counts[victim], parts, trainer)
-                run(data, samples)
-                self.stolen_samples += samples
+            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, self._model_rates(counts)):
+                run(mb.data, mb.samples)
+                if mb.owner != rank:
+                    self.stolen_samples += mb.samples
             self._forget_claims([f"{prefix}/{rank}", f"{prefix}/rate/{rank}", f"{prefix}/free"])
         done = sum(n for _, _, n in results)
         self._step_samples, self._step_global = done, planned

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import hetero_plugins.aggregation as aggregation_module
 import hetero_plugins.grad_sync as grad_sync_module
 import hetero_plugins.microbatch as microbatch_module
+import hetero_plugins.work_sharing as work_sharing_module
 from hetero_plugins.aggregation import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
 from hetero_plugins.grad_sync import sync_sample_weighted
 from hetero_plugins.local_sgd import weighted_average_
@@ -29,7 +30,7 @@ from hetero_plugins.microbatch import (
 from hetero_plugins.planner import BalancePlanner
 
 
-@pytest.mark.parametrize("module", [aggregation_module, microbatch_module, grad_sync_module])
+@pytest.mark.parametrize("module", [aggregation_module, microbatch_module, grad_sync_module, work_sharing_module])
 def test_docstring_examples(module):
     assert doctest.testmod(module).failed == 0
 
@@ -147,3 +148,39 @@ def test_backlog_rerouting_keeps_the_global_batch():
     assert sum(routed) == 128 and routed[1] == 26 and routed[0] > 46 and routed[3] >= 12
     assert p.plan_with_backlog([0, 500, 0, 0])[1] == 1  # never below min_batch_size
     assert sum(p.plan_with_backlog([5, 5, 5, 5])) == 128
+
+
+def test_wbsp_ranks_share_a_step_through_a_tcp_store_each_unit_once():
+    """Two threads play two ranks of one wbsp step; rank 1 is 6x slower per sample, so rank 0 steals."""
+    import threading
+    import time
+
+    from hetero_plugins.work_sharing import wbsp_micro_batches
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    counts, parts, cost = [16, 16], 8, [0.001, 0.006]
+    batches = [torch.arange(16) + 16 * r for r in range(2)]  # sample ids: rank r's share is 16r .. 16r+15
+    seen: list[list[int]] = [[], []]
+
+    def rank_fn(rank):
+        store = server if rank == 0 else dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                       timeout=timedelta(seconds=10))
+        claims = StepClaims(store, "step", [len(micro_batch_sizes(c, parts)) for c in counts])
+
+        def load(owner, index):  # what a thief reads from the dataset: the owner's unit `index`
+            sizes = micro_batch_sizes(counts[owner], parts)
+            lo = sum(sizes[:index])
+            return batches[owner][lo : lo + sizes[index]], sizes[index]
+
+        for mb in wbsp_micro_batches(batches[rank], counts, parts, rank, claims, load, [1 / cost[0], 1 / cost[1]]):
+            time.sleep(cost[rank] * mb.samples)
+            seen[rank] += mb.data.tolist()
+
+    threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(seen[0] + seen[1]) == list(range(32))  # every sample of the step once
+    assert len([i for i in seen[0] if i >= 16]) > 0  # the fast rank took units of the slow rank's share
+    assert len(seen[0]) > len(seen[1])
