@@ -1159,12 +1159,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
             def load(owner: int, index: int) -> tuple[Any, int]:
                 return self._load_micro_batch(step, owner, index, counts[owner], parts, device)
 
-            planner = sampler.planner
-            rates = []
-            for params, b in zip(planner.model_params(), counts):
-                seconds = params.predict(b) if params is not None and b > 0 else math.nan
-                rates.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
-            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, rates):
+            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, sampler.planner.rates(counts)):
                 weighting.set_weight(mb.samples / planned)
                 yield mb.data
                 self._mb_samples += mb.samples

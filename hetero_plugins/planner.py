@@ -115,6 +115,22 @@ class BalancePlanner:
             return float("nan")
         return max(p.predict(b) for p, b in zip(params, plan))
 
+    def rates(self, plan: Sequence[int]) -> list[float | None]:
+        """Each rank's predicted samples per second at its batch in ``plan`` (``None`` without a time model).
+
+        Example::
+
+            >>> p = BalancePlanner(world_size=2, global_batch=8)
+            >>> p.observe(np.array([[[4, 0.04, 0.0]] * 3, [[4, 0.16, 0.0]] * 3]))
+            >>> [round(r) for r in p.rates([4, 4])]
+            [100, 25]
+        """
+        out: list[float | None] = []
+        for params, b in zip(self.model_params(), plan):
+            seconds = params.predict(b) if params is not None and b > 0 else math.nan
+            out.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
+        return out
+
     def plan_with_backlog(self, backlog: Sequence[float]) -> list[int]:
         """The current plan re-routed so that ranks with a backlog get fewer new samples per step.
 

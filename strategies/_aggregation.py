@@ -175,6 +175,15 @@ class AggregationMixin:
         self._store = store
 
     # ------------------------------------------------------------------ training step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.aggregation.explicit_sync:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        return self._aggregated_training_step(args, kwargs)
+
+    def on_train_end(self) -> None:
+        self._flush_pseudo_sync()
+        super().on_train_end()  # type: ignore[misc]
+
     def _aggregated_training_step(self, args: tuple, kwargs: dict) -> Any:
         """The training step of an explicit-exchange mode (the caller handles ``"weighted"``)."""
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -225,7 +234,8 @@ class AggregationMixin:
             def load(owner: int, index: int) -> tuple[Any, int]:
                 return self._load_micro_batch(own, batch_idx, owner, index, counts[owner], parts, trainer)
 
-            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, self._model_rates(counts)):
+            rates = self.balancer.planner.rates(counts) if self.balancer.planner is not None else None
+            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, rates):
                 run(mb.data, mb.samples)
                 if mb.owner != rank:
                     self.stolen_samples += mb.samples
@@ -246,16 +256,6 @@ class AggregationMixin:
             out["loss"] = placeholder
             return out
         return placeholder
-
-    def _model_rates(self, counts: Any) -> list[float | None]:
-        """Each rank's predicted samples per second under ``counts`` (``None`` without a time model)."""
-        planner = self.balancer.planner
-        out: list[float | None] = []
-        for r, b in enumerate(counts):
-            params = planner.model_params()[r] if planner is not None else None
-            seconds = params.predict(b) if params is not None and b > 0 else math.nan
-            out.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
-        return out
 
     def _run_micro_batch(
         self, data: Any, samples: int, planned: int, batch_idx: int, rest: tuple, kwargs: dict

@@ -113,21 +113,10 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
             self._setup_aggregation(trainer)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.aggregation.explicit_sync:
-            return super().training_step(*args, **kwargs)
-        return self._aggregated_training_step(args, kwargs)
-
-    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if not self.aggregation.explicit_sync:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         return self._aggregated_optimizer_step(optimizer, closure, model, kwargs, super().optimizer_step)
-
-    @override
-    def on_train_end(self) -> None:
-        self._flush_pseudo_sync()
-        super().on_train_end()
 
     def _allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

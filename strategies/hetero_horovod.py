@@ -250,17 +250,6 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
             for opt in self.optimizers:
                 opt.synchronize()
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.aggregation.explicit_sync:
-            return super().training_step(*args, **kwargs)
-        return self._aggregated_training_step(args, kwargs)
-
-    @override
-    def on_train_end(self) -> None:
-        self._flush_pseudo_sync()
-        super().on_train_end()
-
     def _allreduce_sum(self, tensor: Tensor) -> Tensor:
         hvd = _hvd()
         self._exchanges += 1
