@@ -5,7 +5,8 @@
 Lightning starts the other ranks itself (``"hetero_ddp"`` re-runs this script per rank, like ``"ddp"``).
 ``--callback`` uses the stock ``"ddp"`` strategy with the ``BatchBalancer`` callback instead. After training,
 ``Trainer.predict`` runs on the validation set with per-rank batch sizes and returns every rank's predictions
-in dataset order.
+in dataset order. ``--aggregation wbsp`` (or ``deadline``, ``pseudo_sync``, ``local_sgd``) picks how each
+step's gradients are combined when some rank stalls (see the README).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
 
-import hetero_plugins.strategies  # noqa: F401  (registers "hetero_ddp")
+from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.apps.digits import DigitsCNN, digits_datasets
 from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator
 
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--speeds", default="1,0.25", help="emulated speed per rank")
     parser.add_argument("--cost-per-sample", type=float, default=0.002)
     parser.add_argument("--callback", action="store_true", help="stock 'ddp' + BatchBalancer instead of 'hetero_ddp'")
+    parser.add_argument("--aggregation", default="weighted",
+                        choices=["weighted", "deadline", "wbsp", "pseudo_sync", "local_sgd"],
+                        help="how each step's gradients are combined (strategy only)")
     parser.add_argument("--out", default=None, help="rank 0 writes plan history, weights and predictions here (.pt)")
     args = parser.parse_args()
 
@@ -39,7 +43,8 @@ def main() -> None:
         callbacks.append(BatchBalancer())
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy="ddp" if args.callback else "hetero_ddp",
+        accelerator="cpu", devices=args.devices,
+        strategy="ddp" if args.callback else HeteroDDPStrategy(aggregation=args.aggregation),
         max_epochs=args.epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
     )

@@ -16,11 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("callback", [False, True], ids=["hetero_ddp", "ddp+BatchBalancer"])
-def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback):
+@pytest.mark.parametrize(
+    "callback, aggregation", [(False, "weighted"), (True, "weighted"), (False, "wbsp")],
+    ids=["hetero_ddp", "ddp+BatchBalancer", "hetero_ddp+wbsp"],
+)
+def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation):
     out = tmp_path / "out.pt"
     cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--devices", "2", "--epochs", "3",
-           "--speeds", "1,0.25", "--out", str(out)] + (["--callback"] if callback else [])
+           "--speeds", "1,0.25", "--out", str(out), "--aggregation", aggregation] + (["--callback"] if callback else [])
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
