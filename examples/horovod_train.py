@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speeds", type=str, default="", help="comma-separated emulated speed per rank, e.g. 1,0.25")
     p.add_argument("--cost-per-sample", type=float, default=0.002, help="emulated seconds per sample at speed 1")
     p.add_argument("--stock", action="store_true", help="baseline: hvd.DistributedOptimizer + DistributedSampler")
+    p.add_argument("--aggregation", default="weighted",
+                   choices=["weighted", "deadline", "wbsp", "pseudo_sync", "local_sgd"],
+                   help="how each step's gradients are combined (see docs/horovod.md, 'Aggregation modes')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", type=str, default="")
     args = p.parse_args(argv)
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         sampler = hh.HeteroBatchSampler(len(train_set), batch_size=args.batch_size, shuffle=True, seed=args.seed)
         loader = DataLoader(train_set, batch_sampler=sampler)
-        optimizer = hh.DistributedOptimizer(base, named_parameters=model.named_parameters(), batch_sampler=sampler)
+        optimizer = hh.DistributedOptimizer(base, named_parameters=model.named_parameters(), batch_sampler=sampler,
+                                            aggregation=args.aggregation, dataset=train_set, model=model)
     loss_fn = nn.CrossEntropyLoss()
     val_x, val_y = val_set.tensors
 
@@ -87,13 +91,18 @@ def main(argv: list[str] | None = None) -> None:
         plan = [args.batch_size] * world if args.stock else sampler.plan
         model.train()
         t0 = time.perf_counter()
-        for step, (x, y) in enumerate(loader):
+        for step, batch in enumerate(loader):
             optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            if emu is not None:
-                time.sleep(emu.delay(rank, epoch, step, len(y)))
-            loss.backward()
+            # The stock optimizer takes the batch whole; ours yields micro-batches in the modes that need them
+            # (deadline, wbsp) and the whole batch otherwise.
+            for x, y in ([batch] if args.stock else optimizer.micro_batches(batch)):
+                loss = loss_fn(model(x), y)
+                if emu is not None:
+                    time.sleep(emu.delay(rank, epoch, step, len(y)))
+                loss.backward()
             optimizer.step()
+        if not args.stock:
+            optimizer.flush()  # pseudo_sync: apply the last gradient still in flight (a no-op otherwise)
         train_time = time.perf_counter() - t0
         model.eval()
         with torch.no_grad():
