@@ -84,7 +84,7 @@ class AggregationMixin:
         self._step_global = 0
         self._backlogs: list[int] | None = None
         self._store: Any = None
-        self._store_keys: list[str] = []
+        self._store_keys: list[list[str]] = []
         self._params: list[Tensor] | None = None
         self._weight = _StepWeight()
         self._corrector: Any = None
