@@ -151,7 +151,7 @@ def wbsp_micro_batches(
             if not reported:
                 store.add(f"{prefix}/rate/{rank}", max(1, int(rate * 1000)))
                 reported = True
-            budget = (1.05 * balanced_time() - elapsed) * rate
+            budget = (1.15 * balanced_time() - elapsed) * rate
             count, acc = 0, 0
             for unit in sizes[first:]:
                 if acc + unit > budget:
