@@ -14,6 +14,7 @@ global batch b x world_size stays constant.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any
 
@@ -107,6 +108,16 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
             self.balancer.attach_ddp(self.model, self.world_size)  # type: ignore[arg-type]
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Release the process group before the interpreter's own teardown: left to static destructors, gloo's
+        # threads occasionally abort a spawned worker at exit ("terminate called without an active exception")
+        # after training has finished.
+        if not _EXIT_HOOK[0]:
+            atexit.register(_destroy_process_group)
+            _EXIT_HOOK[0] = True
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -164,3 +175,14 @@ class _PendingSum:
     def wait(self) -> torch.Tensor:
         self.work.wait()
         return self.tensor
+
+
+_EXIT_HOOK = [False]
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
