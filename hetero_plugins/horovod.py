@@ -59,7 +59,6 @@ import time
 import types
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -72,10 +71,13 @@ from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sa
 from hetero_plugins.local_sgd import LocalSGDSchedule, weighted_average_
 from hetero_plugins.microbatch import (
     CarryQueue,
+    ClaimKeys,
     DeadlineRule,
     StepClaims,
     batch_length,
     micro_batch_sizes,
+    open_claim_store,
+    unit_indices,
 )
 from hetero_plugins.pseudo_sync import DelayedExchange, PseudoSyncCorrector
 from hetero_plugins.work_sharing import deadline_micro_batches, wbsp_micro_batches
@@ -1013,7 +1015,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         self._mb_planned = 0
         self._backward_step: int | None = None
         self._store: Any = None
-        self._store_keys: list[str] = []
+        self._claim_keys = ClaimKeys(keep=2)  # a step's keys are dead once every rank passed its exchange
         self._corrector: PseudoSyncCorrector | None = None
         self._delayed: DelayedExchange | None = None
         self._local: LocalSGDSchedule | None = None
@@ -1157,7 +1159,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
             device = _device_of(batch)
 
             def load(owner: int, index: int) -> tuple[Any, int]:
-                return self._load_micro_batch(step, owner, index, counts[owner], parts, device)
+                return self._load_micro_batch(step, owner, index, parts, device)
 
             for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, sampler.planner.rates(counts)):
                 weighting.set_weight(mb.samples / planned)
@@ -1165,9 +1167,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
                 self._mb_samples += mb.samples
                 if mb.owner != rank:
                     self.stolen_samples += mb.samples
-            self._forget_claims(f"{prefix}/{rank}")
-            self._forget_claims(f"{prefix}/rate/{rank}")
-            self._forget_claims(f"{prefix}/free")
+            self._claim_keys.forget(self._store, claims.keys(rank))
         timer = sampler.timer
         timer.set_samples(self._mb_samples)  # stolen samples count for this rank, missed ones do not
         timer.mark_gradients_ready()
@@ -1286,33 +1286,15 @@ class AggregatingOptimizer(torch.optim.Optimizer):
 
     def _start_claim_store(self) -> None:
         """``wbsp``: one TCP key-value store for the claim counters, served by rank 0. Collective."""
-        timeout = timedelta(seconds=float(self.aggregation.claim_timeout))  # type: ignore[arg-type]
-        store, address = None, None
-        if self._hvd.rank() == 0:
-            host = socket.gethostname()
-            store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-            address = (host, int(store.port))
-        address = self._hvd.broadcast_object(address, root_rank=0, name="hetero_plugins.aggregation.store")
-        if store is None:
-            store = torch.distributed.TCPStore(address[0], int(address[1]), is_master=False, timeout=timeout)
-        self._store = store
+        self._store = open_claim_store(
+            self._hvd.rank(), socket.gethostname(),
+            lambda obj: self._hvd.broadcast_object(obj, root_rank=0, name="hetero_plugins.aggregation.store"),
+            float(self.aggregation.claim_timeout),  # type: ignore[arg-type]
+        )
 
-    def _forget_claims(self, key: str) -> None:
-        self._store_keys.append(key)
-        while len(self._store_keys) > 6:  # three keys a step; a step's keys are dead once every rank passed its exchange
-            try:
-                self._store.delete_key(self._store_keys.pop(0))
-            except Exception:  # noqa: BLE001 - cleanup only
-                pass
-
-    def _load_micro_batch(
-        self, step: int, owner: int, index: int, owner_samples: int, parts: int, device: torch.device | None
-    ) -> tuple[Any, int]:
+    def _load_micro_batch(self, step: int, owner: int, index: int, parts: int, device: torch.device | None) -> tuple[Any, int]:
         """Micro-batch ``index`` of ``owner``'s share of ``step``, loaded from the dataset and collated."""
-        indices = self.hetero_sampler.batch_indices(step, owner)
-        sizes = micro_batch_sizes(owner_samples, parts)
-        lo = sum(sizes[:index])
-        chosen = indices[lo : lo + sizes[index]]
+        chosen = unit_indices(self.hetero_sampler.batch_indices(step, owner), parts, index)
         data = self.collate_fn([self.dataset[i] for i in chosen])
         if device is not None:
             data = _to_device(data, device)

@@ -21,13 +21,16 @@ import torch
 
 __all__ = [
     "CarryQueue",
+    "ClaimKeys",
     "DeadlineRule",
     "MicroBatch",
     "StepClaims",
     "batch_length",
     "micro_batch_sizes",
+    "open_claim_store",
     "split_batch",
     "take_rows",
+    "unit_indices",
 ]
 
 
@@ -78,6 +81,19 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
         out.append(_slice(batch, lo, lo + s, n))
         lo += s
     return out
+
+
+def unit_indices(indices: Sequence[int], parts: int, index: int) -> list[int]:
+    """The sample indices of unit ``index`` when a share ``indices`` is cut into ``parts`` units.
+
+    Example::
+
+        >>> unit_indices([10, 11, 12, 13, 14], 2, 1)
+        [13, 14]
+    """
+    sizes = micro_batch_sizes(len(indices), parts)
+    lo = sum(sizes[:index])
+    return list(indices[lo : lo + sizes[index]])
 
 
 def take_rows(batch: Any, lo: int, hi: int) -> Any:
@@ -258,3 +274,61 @@ class StepClaims:
             if index is not None:
                 self.taken[victim] = self.taken.get(victim, 0) + 1
                 return victim, index
+
+    def rate_key(self, rank: int) -> str:
+        """Where ``rank`` reports its pace in this step (``wbsp``)."""
+        return f"{self.prefix}/rate/{rank}"
+
+    @property
+    def free_key(self) -> str:
+        """Counts the ranks that have finished their own share in this step (``wbsp``)."""
+        return f"{self.prefix}/free"
+
+    def keys(self, rank: int) -> list[str]:
+        """The keys ``rank`` leaves in the store for this step (to delete once every rank is past it)."""
+        return [self._key(rank), self.rate_key(rank), self.free_key]
+
+
+class ClaimKeys:
+    """Deletes the store keys of past steps, keeping the last ``keep`` steps' (slower ranks may still read them).
+
+    Example::
+
+        >>> class Store(dict):
+        ...     def delete_key(self, key):
+        ...         return self.pop(key, None) is not None
+        >>> store, keys = Store(a=1, b=2), ClaimKeys(keep=1)
+        >>> keys.forget(store, ["a"]); keys.forget(store, ["b"]); sorted(store)
+        ['b']
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._steps: deque[list[str]] = deque()
+
+    def forget(self, store: Any, keys: Sequence[str]) -> None:
+        self._steps.append(list(keys))
+        while len(self._steps) > self.keep:
+            for key in self._steps.popleft():
+                try:
+                    store.delete_key(key)
+                except Exception:  # noqa: BLE001 - cleanup only
+                    pass
+
+
+def open_claim_store(rank: int, host: str, broadcast: Any, timeout: float) -> Any:
+    """A ``torch.distributed.TCPStore`` for claim counters, served by rank 0 on a free port. Collective:
+    ``broadcast(obj)`` must return rank 0's ``obj`` on every rank (the strategy's or Horovod's broadcast)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    wait = timedelta(seconds=float(timeout))
+    store, address = None, None
+    if rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=wait)
+        address = (host, int(store.port))
+    address = broadcast(address)
+    if store is None:
+        store = dist.TCPStore(address[0], int(address[1]), is_master=False, timeout=wait)
+    return store

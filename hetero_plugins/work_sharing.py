@@ -118,7 +118,7 @@ def wbsp_micro_batches(
         >>> [m.samples for m in wbsp_micro_batches(torch.zeros(8, 1), [8], 4, 0, claims, load=None)]
         [2, 6]
     """
-    store, prefix = claims.store, claims.prefix
+    store = claims.store
     sizes = micro_batch_sizes(counts[rank], parts)
     offsets = _offsets(sizes)
     rates_known = list(model_rates) if model_rates is not None else [None] * len(counts)
@@ -132,10 +132,10 @@ def wbsp_micro_batches(
         return elapsed + elapsed / done * samples if done else math.inf
 
     def others_free() -> bool:
-        return int(store.add(f"{prefix}/free", 0)) > 0
+        return int(store.add(claims.free_key, 0)) > 0
 
     def balanced_time() -> float:
-        reported_rates = [int(store.add(f"{prefix}/rate/{r}", 0)) / 1000.0 for r in range(len(counts))]
+        reported_rates = [int(store.add(claims.rate_key(r), 0)) / 1000.0 for r in range(len(counts))]
         known = [x for x in reported_rates if x > 0]
         mean = sum(known) / len(known) if known else 0.0
         rates = [x if x > 0 else (m or mean) for x, m in zip(reported_rates, rates_known)]
@@ -149,7 +149,7 @@ def wbsp_micro_batches(
             elapsed = clock() - start
             rate = done / max(elapsed, 1e-9)
             if not reported:
-                store.add(f"{prefix}/rate/{rank}", max(1, int(rate * 1000)))
+                store.add(claims.rate_key(rank), max(1, int(rate * 1000)))
                 reported = True
             budget = (1.15 * balanced_time() - elapsed) * rate
             count, acc = 0, 0
@@ -168,7 +168,7 @@ def wbsp_micro_batches(
             lo, hi = offsets[got.start], offsets[got.stop]
             yield MicroBatch(take_rows(batch, lo, hi), hi - lo, rank, 0, got.start)
             done += hi - lo
-    store.add(f"{prefix}/free", 1)
+    store.add(claims.free_key, 1)
     unit = max((max(micro_batch_sizes(c, parts), default=0) for c in counts), default=0)
     while claims.left(exclude=rank):
         horizon = 1.5 * balanced_time()

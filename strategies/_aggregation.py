@@ -21,7 +21,6 @@ import logging
 import math
 import socket
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,7 +30,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from hetero_plugins.aggregation import AggregationOptions, resolve_aggregation
 from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
-from hetero_plugins.microbatch import CarryQueue, DeadlineRule, StepClaims, micro_batch_sizes
+from hetero_plugins.microbatch import (
+    CarryQueue,
+    ClaimKeys,
+    DeadlineRule,
+    StepClaims,
+    micro_batch_sizes,
+    open_claim_store,
+    unit_indices,
+)
 from hetero_plugins.work_sharing import deadline_micro_batches, wbsp_micro_batches
 
 log = logging.getLogger(__name__)
@@ -84,7 +91,7 @@ class AggregationMixin:
         self._step_global = 0
         self._backlogs: list[int] | None = None
         self._store: Any = None
-        self._store_keys: list[list[str]] = []
+        self._claim_keys = ClaimKeys(keep=4)
         self._params: list[Tensor] | None = None
         self._weight = _StepWeight()
         self._corrector: Any = None
@@ -161,18 +168,11 @@ class AggregationMixin:
 
     def _start_claim_store(self) -> None:
         """``wbsp``: one TCP key-value store for the claim counters, served by rank 0 (collective)."""
-        if self.aggregation.mode != "wbsp" or self._store is not None:
-            return
-        timeout = timedelta(seconds=float(self.aggregation.claim_timeout))  # type: ignore[arg-type]
-        if self.global_rank == 0:  # type: ignore[attr-defined]
-            store = torch.distributed.TCPStore(self._store_host(), 0, is_master=True, wait_for_workers=False, timeout=timeout)
-            address = (self._store_host(), int(store.port))
-        else:
-            store, address = None, None
-        address = self.broadcast(address, src=0)  # type: ignore[attr-defined]
-        if store is None:
-            store = torch.distributed.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
-        self._store = store
+        if self._store is None:
+            self._store = open_claim_store(
+                self.global_rank, self._store_host(), lambda obj: self.broadcast(obj, src=0),  # type: ignore[attr-defined]
+                float(self.aggregation.claim_timeout),  # type: ignore[arg-type]
+            )
 
     # ------------------------------------------------------------------ training step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -232,14 +232,14 @@ class AggregationMixin:
             claims = StepClaims(self._store, prefix, [len(micro_batch_sizes(c, parts)) for c in counts])
 
             def load(owner: int, index: int) -> tuple[Any, int]:
-                return self._load_micro_batch(own, batch_idx, owner, index, counts[owner], parts, trainer)
+                return self._load_micro_batch(own, batch_idx, owner, index, parts, trainer)
 
             rates = self.balancer.planner.rates(counts) if self.balancer.planner is not None else None
             for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, rates):
                 run(mb.data, mb.samples)
                 if mb.owner != rank:
                     self.stolen_samples += mb.samples
-            self._forget_claims([f"{prefix}/{rank}", f"{prefix}/rate/{rank}", f"{prefix}/free"])
+            self._claim_keys.forget(self._store, claims.keys(rank))
         done = sum(n for _, _, n in results)
         self._step_samples, self._step_global = done, planned
         self.balancer.timer.set_samples(done)
@@ -274,27 +274,12 @@ class AggregationMixin:
         self.backward(loss * (samples / planned), None)  # type: ignore[attr-defined]
         return out, float(loss.detach()), samples
 
-    def _load_micro_batch(
-        self, own: Any, step: int, owner: int, index: int, owner_samples: int, parts: int, trainer: Any
-    ) -> tuple[Any, int]:
+    def _load_micro_batch(self, own: Any, step: int, owner: int, index: int, parts: int, trainer: Any) -> tuple[Any, int]:
         """Another rank's micro-batch, loaded from the dataset with the train loader's collate function."""
-        indices = own.batch_indices(step, owner)
-        sizes = micro_batch_sizes(owner_samples, parts)
-        lo = sum(sizes[:index])
-        chosen = indices[lo : lo + sizes[index]]
+        chosen = unit_indices(own.batch_indices(step, owner), parts, index)
         loader = trainer.train_dataloader
         data = loader.collate_fn([loader.dataset[i] for i in chosen])
         return self.batch_to_device(data), len(chosen)  # type: ignore[attr-defined]
-
-    def _forget_claims(self, keys: list[str]) -> None:
-        """Delete a step's counters a few steps later (slower ranks may still read them meanwhile)."""
-        self._store_keys.append(keys)
-        while len(self._store_keys) > 4:
-            for key in self._store_keys.pop(0):
-                try:
-                    self._store.delete_key(key)
-                except Exception:  # noqa: BLE001 - cleanup only
-                    pass
 
     # ------------------------------------------------------------------ the exchange
     def _aggregated_optimizer_step(self, optimizer: Any, closure: Any, model: Any, kwargs: dict, step_fn: Any) -> Any:
