@@ -11,8 +11,15 @@ Targets (issue 4), each reported as met / missed with the figure:
 - transfer reaches 95% of its final quality with <= 10% of the samples training from scratch needs.
 
 Throughputs are simulated samples per second after the first epoch (every policy measures an equal split
-in epoch 0, the oracle knows the truth from the start), mean over noise seeds. Policies: ``dqn``, ``auto``
-and ``dqn_online`` (the DQN learning online from the measured epochs).
+in epoch 0, the oracle knows the truth from the start), mean over noise seeds. Policies: ``dqn``, ``auto``,
+``dqn_online`` (the DQN learning online from the measured epochs) and ``auto_reloc`` (``auto`` with stage-2
+relocation applied: ranks move to free slots, each relocation restart costs the scenario's ``restart_cost``).
+``equal_finish`` with the same relocation is reported beside it, to show what stage 2 alone brings.
+
+For scenarios without co-runner events or free slots, ``foresight`` bounds what any policy that decides at
+epoch boundaries from measurements can gain: the equal-finish split on the *previous* epoch's true times
+(data time included), and the same with each rank's trend extrapolated one epoch exactly where it has been
+monotone for two epochs.
 
     python benchmarks/scheduler_bench.py --out bench_output/scheduler.json [--update-docs docs/scheduler.md]
 """
@@ -35,7 +42,7 @@ from hetero_plugins.scheduler.policy import equal_finish_plan
 from hetero_plugins.sim import ClusterSim, best_placement, decision_problems, load_scenario
 from hetero_plugins.time_model import TimeModelParams
 
-POLICIES = ("dqn", "auto", "dqn_online")
+POLICIES = ("dqn", "auto", "dqn_online", "auto_reloc")
 SCENARIOS = {"static_mix": "static", "paper_mix": "seed_mix", "interference": "interference",
              "dynamic": "dynamic", "elastic": "dynamic"}
 START, END = "<!-- scheduler-bench:start -->", "<!-- scheduler-bench:end -->"
@@ -55,6 +62,10 @@ TRANSFER_SCENARIO: dict[str, Any] = {
 
 
 def _policy(name: str) -> Any:
+    if name == "auto_reloc":
+        a = get_allocator("auto")
+        a.name = "auto_reloc"
+        return a
     if name == "dqn_online":
         from hetero_plugins.scheduler import DQNAllocator
 
@@ -79,9 +90,11 @@ def scenario_rows(seeds: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in SCENARIOS:
         rows: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+        ef_reloc = []
         for seed in seeds:
             for p in POLICIES:
-                rows[p].append(compare(name, _policy(p), seed=seed))
+                rows[p].append(compare(name, _policy(p), seed=seed, relocation=True if p == "auto_reloc" else None))
+            ef_reloc.append(compare(name, "equal_finish", seed=seed, relocation=True))
         first = rows[POLICIES[0]][0]
         out[name] = {
             "kind": SCENARIOS[name], "world_size": first["world_size"],
@@ -96,6 +109,9 @@ def scenario_rows(seeds: list[int]) -> dict[str, Any]:
                 "vs_best_analytic": float(np.mean([r["ratios_steady"]["policy_vs_best_analytic"] for r in rs])),
                 "decision_ms": float(np.mean([r["decision_ms_per_epoch"]["policy"] for r in rs])),
             } for p, rs in rows.items()},
+            "relocations": rows["auto_reloc"][0]["relocations"],
+            "equal_finish_reloc_vs_best_analytic": float(np.mean(
+                [r["ratios_steady"]["policy_vs_best_analytic"] for r in ef_reloc])),
         }
         an = out[name]["analytic"]
         out[name]["best_analytic"] = max((a for a in an if a != "static"), key=lambda a: an[a])
@@ -103,6 +119,35 @@ def scenario_rows(seeds: list[int]) -> dict[str, Any]:
         print(f"{name}: " + ", ".join(f"{p} {v['vs_oracle']:.3f} of oracle / {v['vs_best_analytic']:.3f}x best analytic"
                                       for p, v in out[name]["policies"].items()), flush=True)
     return out
+
+
+def foresight(name: str, seeds: list[int]) -> dict[str, float]:
+    """Throughput of two idealised boundary-time policies relative to ``equal_finish`` (see the module doc)."""
+    from hetero_plugins.sim import simulate
+
+    def run(seed: int, trend: bool) -> float:
+        sim = ClusterSim(name, seed=seed)
+        sc = sim.scenario
+        times = []
+        for e in range(sc.epochs):
+            act = sim.active(e)
+            a, b, d = (x[act] for x in sim.params(max(0, e - 1)))
+            if trend and e >= 2:
+                b2 = sim.params(e - 2)[1][act]
+                b3 = sim.params(max(0, e - 3))[1][act]
+                r1, r0 = np.log(b / b2), np.log(b2 / b3)
+                f = np.where((np.abs(r1) > 0.05) & (np.abs(r0) > 0.05) & (np.sign(r1) == np.sign(r0)), np.exp(r1), 1.0)
+                a, b = a * f, b * f
+            caps = np.array([sc.max_batch[r] or sc.global_batch for r in act], dtype=np.float64)
+            plan = equal_finish_plan(a + d, b, sc.global_batch, np.ones(len(act)), caps)
+            comm = sim.allreduce_time(len(act))
+            times.append(sum(float(np.max(np.add(*sim.step_times(e, s, plan, act)))) + comm
+                             for s in range(sc.steps_per_epoch)))
+        return sc.global_batch * sc.steps_per_epoch * (len(times) - 1) / sum(times[1:])
+
+    ef = float(np.mean([simulate(name, "equal_finish", seed=s)["steady_samples_per_s"] for s in seeds]))
+    return {"previous_epoch_truth": float(np.mean([run(s, False) for s in seeds])) / ef,
+            "previous_epoch_truth_plus_trend": float(np.mean([run(s, True) for s in seeds])) / ef}
 
 
 def large_row() -> dict[str, Any]:
@@ -340,6 +385,18 @@ def table(res: dict[str, Any]) -> str:
         figs = ", ".join(f"{k} {v}" for k, v in t["figures"].items())
         verdict = t.get("verdict") or (f"met by {', '.join(t['met_by'])}" if t["met_by"] else "**missed**")
         lines.append(f"| {t['target']} | {t['goal']} | {figs} | {verdict} |")
+    lines.append("")
+    for name, row in res["scenarios"].items():
+        if row["relocations"]:
+            moves = "; ".join(f"before epoch {m['epoch']} (rank, place) {m['moves']}, predicted +{100 * m['predicted_gain']:.1f}%"
+                              for m in row["relocations"])
+            lines.append(f"- `{name}`: auto_reloc relocated ({moves}, seed 0); equal_finish with the same relocation: "
+                         f"{row['equal_finish_reloc_vs_best_analytic']:.3f}x the best analytic allocator.")
+    for name, fb in res.get("foresight", {}).items():
+        lines.append(f"- `{name}` bounds without foresight, vs equal_finish: the equal-finish split on the previous "
+                     f"epoch's true times (data included) {fb['previous_epoch_truth']:.3f}x, plus exact trend "
+                     f"extrapolation {fb['previous_epoch_truth_plus_trend']:.3f}x; the oracle (this epoch's truth) "
+                     f"{1 / res['scenarios'][name]['equal_finish_vs_oracle']:.3f}x.")
     rel = res["relocation"]
     lines.append("")
     lines.append(f"Relocation: {len(rel['decisions'])} decisions; keeping the placement reaches "
@@ -386,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     res: dict[str, Any] = {"seeds": args.seeds, "scenarios": scenario_rows(list(range(args.seeds)))}
+    res["foresight"] = {"dynamic": foresight("dynamic", list(range(args.seeds)))}
     if not args.no_large:
         res["large"] = large_row()
     res["latency_1024_ranks"] = decision_latency()

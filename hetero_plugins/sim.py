@@ -93,6 +93,8 @@ class Scenario:
         allreduce: ``(latency s, gradient bytes, bandwidth bytes/s)`` of the ring all-reduce added to every step,
             ``latency + 2(n-1)/n * bytes / bandwidth`` for ``n`` active ranks (zeros: no communication cost).
         free_slots: idle places a rank could be relocated to, each ``{"device", "corunner", "data"}``.
+        restart_cost: seconds a relocation restart costs (checkpoint, relaunch, reload), charged to the epoch
+            after a policy relocates ranks (:func:`simulate` with ``relocation``).
     """
 
     name: str
@@ -113,6 +115,7 @@ class Scenario:
     leave: tuple[int | None, ...] = ()
     allreduce: tuple[float, float, float] = (0.0, 0.0, 0.0)
     free_slots: tuple[dict[str, Any], ...] = ()
+    restart_cost: float = 0.2
 
     @property
     def world_size(self) -> int:
@@ -139,7 +142,7 @@ def _num(field: str, value: Any, *, minimum: float = 0.0, strict: bool = False, 
 DEFAULT_CORUNNERS: dict[str, float] = {"memcpy": 1.4, "video": 1.5, "inference": 1.3, "etl": 1.2, "training": 1.6}
 
 SCENARIO_FIELDS = ("name", "description", "workload", "ranks", "devices", "free_slots", "global_batch", "epochs",
-                   "steps_per_epoch", "noise", "events", "seed", "interference", "allreduce")
+                   "steps_per_epoch", "noise", "events", "seed", "interference", "allreduce", "restart_cost")
 _EVENT_HINT = ('use {"epoch": e, "rank": r (or "ranks": [r, ...]), ...} with one of "corunner": name or null '
                '(arrives / leaves), "speed": factor (time multiplier), "ramp": factor with "over": epochs, "lost": true, '
                'or {"epoch": e, "add": {"device": name, "corunner": null}} (a rank joins).')
@@ -343,6 +346,7 @@ def _parse(spec: dict[str, Any], default_name: str) -> Scenario:
         leave=tuple(leave),
         allreduce=ar,
         free_slots=tuple(parsed_slots),
+        restart_cost=float(_num("restart_cost", spec.get("restart_cost", 0.2))),
     )
 
 
@@ -504,6 +508,52 @@ class ClusterSim:
                 out[k] = free[slot["free_slot"]]
         return out
 
+    @property
+    def places(self) -> int:
+        """Places a rank can run on: each rank's own (indices ``0..world_size-1``) then the free slots."""
+        return self.world_size + len(self.scenario.free_slots)
+
+    def place_devices(self) -> list[str]:
+        """Device type of every place."""
+        return list(self.scenario.device) + [s["device"] for s in self.scenario.free_slots]
+
+    def place_caps(self) -> list[int | None]:
+        """Memory cap (largest local batch) of every place."""
+        sc = self.scenario
+        types = dict(zip(sc.device, sc.max_batch))
+        return list(sc.max_batch) + [types.get(s["device"]) for s in sc.free_slots]
+
+    def place_corunners(self, epoch: int) -> list[str | None]:
+        """The co-runner of every place in ``epoch`` (a free slot's is fixed)."""
+        return self.corunners(epoch) + [s["corunner"] for s in self.scenario.free_slots]
+
+    def place_multipliers(self, epoch: int) -> np.ndarray:
+        """The time multiplier of every place in ``epoch`` (events apply to the place a rank started on)."""
+        sc = self.scenario
+        free = [sc.interference[s["corunner"]].get(s["device"], 1.0) if s["corunner"] else 1.0 for s in sc.free_slots]
+        return np.concatenate([self.multipliers(epoch), np.asarray(free, dtype=np.float64)])
+
+    def place_params(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Noise-free ``(intercept, slope, data)`` of every place in ``epoch``."""
+        sc = self.scenario
+        types = {d: (i, b) for d, i, b in zip(sc.device, sc.intercept, sc.slope)}
+        a0 = np.concatenate([self._a, [types[s["device"]][0] for s in sc.free_slots]])
+        b0 = np.concatenate([self._beta, [types[s["device"]][1] for s in sc.free_slots]])
+        data = np.concatenate([self._data, [s["data"] for s in sc.free_slots]])
+        m = self.place_multipliers(epoch)
+        return a0 * m, b0 * m, data
+
+    def place_noise(self, epoch: int, step: int) -> np.ndarray:
+        """The step noise of every place (the ranks' own streams, then the free slots' stream)."""
+        own = self._noise(epoch, step)
+        k = len(self.scenario.free_slots)
+        if k == 0:
+            return own
+        if self.scenario.noise == 0:
+            return np.ones(self.places)
+        rng = np.random.default_rng([self.seed, epoch, step, 1])
+        return np.concatenate([own, np.exp(rng.normal(0.0, self.scenario.noise, k))])
+
     def _noise(self, epoch: int, step: int) -> np.ndarray:
         if self.scenario.noise == 0:
             return np.ones(self.world_size)
@@ -538,6 +588,7 @@ def simulate(
     seed: int | None = None,
     min_gain: float = 0.03,
     telemetry: bool = True,
+    relocation: Any = None,
 ) -> dict[str, Any]:
     """Run the balancing loop (:class:`~hetero_plugins.planner.BalancePlanner`) against the simulated cluster.
 
@@ -548,8 +599,15 @@ def simulate(
     processes and ``data`` seconds per step (both measured in the epoch just run), each rank's ``devices``
     type, the ``corunners`` it ran beside in that epoch and the ``next_corunners`` placed beside it for the
     next epoch (co-runner *identities*, as a cluster manager knows them; never their slowdowns, which stay
-    hidden in the scenario's ``interference`` table). The Lightning integration passes none of these yet:
-    ``telemetry=False`` simulates what a Lightning run gives the learned allocators.
+    hidden in the scenario's ``interference`` table). ``telemetry=False`` simulates a run that passes none.
+
+    ``relocation`` (stage 2 applied; ``True`` for a default
+    :class:`~hetero_plugins.scheduler.relocation.Relocator` with the scenario's ``restart_cost``, or a
+    ``Relocator``): at each epoch boundary the relocator may move ranks to free places (the free slots, and
+    places that relocated ranks left); the moved ranks start the next epoch from the NCF-predicted time line
+    of their new place, that epoch pays ``restart_cost`` seconds, and a rank that joins starts from the
+    NCF-predicted line of its device instead of a survivor's. Events (co-runners, speed changes, ramps) belong
+    to places: a rank that leaves a place leaves its co-runner behind.
 
     Ranks lost or added by events restart the planner at the epoch boundary (survivors keep their time
     models). Every step also pays the scenario's ring all-reduce time. The planner's damping gate
@@ -557,80 +615,157 @@ def simulate(
 
     Returns:
         dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
-        (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``world_sizes``, ``restarts``, and
+        (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``world_sizes``, ``restarts``,
+        ``relocations`` (per relocation: epoch and moves), ``placements`` (each rank's place per epoch) and
         ``decision_ms`` (mean wall time of one planning call).
     """
     import time
+
+    from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
 
     sim = ClusterSim(scenario, seed=seed)
     sc = sim.scenario
     epochs = sc.epochs if epochs is None else int(epochs)
     alloc = get_allocator(allocator) if isinstance(allocator, str) else allocator
     context = telemetry and hasattr(alloc, "set_context")
+    relocator = relocation
+    if relocation is True:
+        from hetero_plugins.scheduler.relocation import Relocator
+
+        relocator = Relocator(workload=sc.workload, restart_cost=sc.restart_cost)
+    elif relocation is False:
+        relocator = None
+    pdev, pcaps = sim.place_devices(), sim.place_caps()
+    where: dict[int, int] = {}  # rank -> place
     planner: BalancePlanner | None = None
     members: np.ndarray | None = None
     measured_co: dict[int, str | None] = {}  # co-runner under which each rank's time model was measured
     measured_data: dict[int, float] = {}
-    epoch_times, plans, levels, decide, worlds = [], [], [], [], []
+    epoch_times, plans, levels, decide, worlds, placements = [], [], [], [], [], []
+    moves_log: list[dict[str, Any]] = []
     restarts = 0
+    pending_cost = 0.0
+
+    def predicted_model(place: int, batch: int, epoch: int) -> Any:
+        """A relocated or new rank's time model: the NCF-predicted line of its place (None: unknown)."""
+        if relocator is None or planner is None or members is None:
+            return None
+        lines = [(p.intercept, p.slope) for p in planner.model_params()]
+        solo = relocator.solo_lines([pdev[where[int(r)]] for r in members],
+                                    [measured_co.get(int(r)) for r in members], lines, sc.workload)
+        s = relocator.slowdown(pdev[place], sim.place_corunners(epoch)[place], sc.workload)
+        if pdev[place] not in solo or s is None:
+            return None
+        a, b = solo[pdev[place]]
+        return LinearTimeModel.from_params(TimeModelParams(a * s, b * s), max(1, batch))
+
     for e in range(epochs):
         act = sim.active(e)
         if members is None or not np.array_equal(act, members):
             # A rank was lost or added: an elastic restart at the epoch boundary. Survivors keep their time
-            # models; a new rank starts from a survivor's of the same device type (if any), and the first
-            # plan is decided from those models when every rank has one.
+            # models and places; a new rank takes its own place and starts from the NCF-predicted line of it
+            # (with a relocator) or a survivor's of the same device type, and the first plan is decided from
+            # those models when every rank has one.
             new = _PolicyPlanner(len(act), sc.global_batch, allocator=alloc, min_gain=min_gain)
+            for r in act:
+                where.setdefault(int(r), int(r))
             if planner is not None and members is not None:
                 restarts += 1
                 old = {int(r): m for r, m in zip(members, planner.models)}
                 source: list[int | None] = []
                 for i, r in enumerate(act):
-                    q = int(r) if int(r) in old else next((q for q in old if sc.device[q] == sc.device[r]), None)
+                    r = int(r)
+                    if r in old:
+                        q: int | None = r
+                    else:
+                        predicted = predicted_model(where[r], sc.global_batch // len(act), e)
+                        if predicted is not None:
+                            new.models[i] = predicted
+                            measured_co[r] = sim.place_corunners(e)[where[r]]
+                            source.append(r)
+                            continue
+                        q = next((q for q in old if pdev[where[q]] == pdev[where[r]]), None)
                     source.append(q)
                     if q is not None:
                         new.models[i] = copy.deepcopy(old[q])
-                new.memory_caps = [sc.max_batch[r] for r in act]
+                new.memory_caps = [pcaps[where[int(r)]] for r in act]
                 new._observed_steps = new.warmup_steps
                 if all(p is not None for p in new.model_params()):
                     if context:
-                        nxt = sim.corunners(e)
+                        nxt = sim.place_corunners(e)
                         alloc.set_context(  # type: ignore[union-attr]
                             utilisation=None,
                             data=[measured_data.get(int(r), measured_data.get(q, 0.0) if q is not None else 0.0)
                                   for r, q in zip(act, source)],
-                            devices=[sc.device[r] for r in act],
+                            devices=[pdev[where[int(r)]] for r in act],
                             corunners=[measured_co.get(q) if q is not None else None for q in source],
-                            next_corunners=[nxt[r] for r in act], workload=sc.workload)
+                            next_corunners=[nxt[where[int(r)]] for r in act], workload=sc.workload)
                     new.replan()
             planner, members = new, act
         assert planner is not None
-        caps = [sc.max_batch[r] for r in act]
+        here = np.array([where[int(r)] for r in act], dtype=np.int64)
+        caps = [pcaps[p] for p in here]
         comm = sim.allreduce_time(len(act))
         plan = list(planner.plan)
         plans.append(plan)
         worlds.append(len(act))
+        placements.append([int(p) for p in here])
+        a_p, b_p, d_p = sim.place_params(e)
         records = np.zeros((len(act), sc.steps_per_epoch, 3))
-        total = 0.0
+        total, pending_cost = pending_cost, 0.0
+        planv = np.asarray(plan, dtype=np.float64)
         for s in range(sc.steps_per_epoch):
-            compute, data = sim.step_times(e, s, plan, act)
+            compute = (a_p[here] + b_p[here] * planv) * sim.place_noise(e, s)[here]
+            data = d_p[here]
             records[:, s, 0] = plan
             records[:, s, 1] = compute
             records[:, s, 2] = data
             total += float(np.max(compute + data)) + comm
         epoch_times.append(total)
         levels.append(straggler_level(records[:, :, 1].mean(axis=1) + records[:, :, 2].mean(axis=1)))
-        co_now = sim.corunners(e)
-        measured_co = {int(r): co_now[r] for r in act}
+        co_now, co_next = sim.place_corunners(e), sim.place_corunners(e + 1)
+        measured_co = {int(r): co_now[p] for r, p in zip(act, here)}
         measured_data = {int(r): float(d) for r, d in zip(act, records[:, :, 2].mean(axis=1))}
         if context:
-            mult = sim.multipliers(e)[act]
-            co_next = sim.corunners(e + 1)
+            mult = sim.place_multipliers(e)[here]
             alloc.set_context(utilisation=list(1.0 - 1.0 / mult), data=list(records[:, :, 2].mean(axis=1)),  # type: ignore[union-attr]
-                              devices=[sc.device[r] for r in act], corunners=[co_now[r] for r in act],
-                              next_corunners=[co_next[r] for r in act], workload=sc.workload)
+                              devices=[pdev[p] for p in here], corunners=[co_now[p] for p in here],
+                              next_corunners=[co_next[p] for p in here], workload=sc.workload)
         t0 = time.perf_counter()
         planner.end_epoch(e, records, epoch_time=total, memory_caps=caps)
         decide.append(time.perf_counter() - t0)
+        if relocator is not None and e + 1 < epochs and np.array_equal(sim.active(e + 1), act) \
+                and all(p is not None for p in planner.model_params()):
+            taken = set(where[int(r)] for r in act)
+            alive = set(int(r) for r in act)
+            free = [p for p in range(sim.places) if p not in taken and (p >= sim.world_size or p in alive)]
+            if free:
+                t0 = time.perf_counter()
+                decision = relocator.propose(
+                    devices=[pdev[p] for p in here], corunners=[co_now[p] for p in here],
+                    next_corunners=[co_next[p] for p in here],
+                    lines=[(m.intercept, m.slope) for m in planner.model_params()],
+                    free_slots=[{"device": pdev[p], "corunner": co_next[p], "data": float(d_p[p])} for p in free],
+                    global_batch=sc.global_batch, steps_per_epoch=sc.steps_per_epoch, epochs_left=epochs - e - 1,
+                    data=list(records[:, :, 2].mean(axis=1)), workload=sc.workload)
+                if decision.moves:
+                    for i, k in decision.moves:
+                        r, p = int(act[i]), free[k]
+                        where[r] = p
+                        a, b = decision.lines[i]
+                        planner.models[i] = LinearTimeModel.from_params(TimeModelParams(a, b), max(1, planner.plan[i]))
+                        measured_co[r] = co_next[p]
+                    here = np.array([where[int(r)] for r in act], dtype=np.int64)
+                    planner.memory_caps = [pcaps[p] for p in here]
+                    if context:
+                        alloc.set_context(utilisation=None, data=[float(d_p[p]) for p in here],  # type: ignore[union-attr]
+                                          devices=[pdev[p] for p in here], corunners=[co_next[p] for p in here],
+                                          next_corunners=[co_next[p] for p in here], workload=sc.workload)
+                    planner.replan()
+                    pending_cost = sc.restart_cost
+                    moves_log.append({"epoch": e + 1, "moves": [(int(act[i]), int(free[k])) for i, k in decision.moves],
+                                      "predicted_gain": decision.predicted_gain})
+                decide[-1] += time.perf_counter() - t0
     samples = sc.global_batch * sc.steps_per_epoch * epochs
     return {
         "scenario": sc.name,
@@ -639,6 +774,8 @@ def simulate(
         "world_size": sc.world_size,
         "world_sizes": worlds,
         "restarts": restarts,
+        "relocations": moves_log,
+        "placements": placements,
         "epochs": epochs,
         "epoch_times": epoch_times,
         "total_time": float(sum(epoch_times)),

@@ -92,6 +92,29 @@ class LinearTimeModel:
     def __len__(self) -> int:
         return len(self._obs)
 
+    @classmethod
+    def from_params(cls, params: TimeModelParams, batch_size: int, **kwargs: Any) -> LinearTimeModel:
+        """A model that starts from a predicted line, for a rank with no history (a new node, a relocated rank).
+
+        The line enters as four noise-free observations at ``batch_size`` and at 60% of it, so it has the
+        weight of a few steps: measured steps replace it within a half-life, and a prediction more than
+        ``change_threshold`` off is dropped after ``change_steps`` steps by the change-point test.
+
+        Example::
+
+            >>> m = LinearTimeModel.from_params(TimeModelParams(0.01, 0.002), 32)
+            >>> round(m.predict(64), 6)
+            0.138
+        """
+        model = cls(**kwargs)
+        hi = max(2, int(batch_size))
+        lo = max(1, min(hi - 1, int(round(0.6 * hi))))
+        for _ in range(4):
+            for b in (lo, hi):
+                model._obs.append((float(b), float(params.predict(b))))
+        model._cache = None
+        return model
+
     def observe(self, batch_size: float, seconds: float) -> None:
         """Record that a step with ``batch_size`` local samples took ``seconds`` of compute."""
         if batch_size <= 0 or not np.isfinite(seconds) or seconds < 0:

@@ -31,8 +31,12 @@ ANALYTIC = ("static", "proportional", "equal_finish", "lbb")
 
 
 def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed: int | None = None,
-            analytic: tuple[str, ...] = ANALYTIC) -> dict[str, Any]:
+            analytic: tuple[str, ...] = ANALYTIC, relocation: Any = None) -> dict[str, Any]:
     """One run of ``policy`` on ``scenario`` beside the oracle, the equal split and the best analytic allocator.
+
+    ``relocation`` (``True`` or a :class:`~hetero_plugins.scheduler.relocation.Relocator`) lets the policy's
+    run move ranks to free slots (stage 2, see :func:`~hetero_plugins.sim.simulate`); the analytic runs never
+    relocate (they have no model of a slot they have not run on).
 
     Throughputs are samples per second of simulated training over all epochs (``samples_per_s``) and after the
     first, measuring epoch (``steady_samples_per_s``: the oracle knows the true times from the start, every
@@ -46,9 +50,10 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     policy = policy if isinstance(policy, str) else alloc.name
     if "static" not in analytic:
         analytic = ("static", *analytic)
-    runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed)}
+    runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed, relocation=relocation)}
     for name in analytic:
-        runs[name] = runs["policy"] if name == policy else simulate(sc, name, epochs=epochs, seed=seed)
+        runs[name] = (runs["policy"] if name == policy and not relocation
+                      else simulate(sc, name, epochs=epochs, seed=seed))
     orc = oracle(sc, epochs=epochs, seed=seed)
     best = max([a for a in analytic if a != "static"] or ["static"], key=lambda a: runs[a]["steady_samples_per_s"])
 
@@ -70,6 +75,7 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
                                   **{a: runs[a]["decision_ms"] for a in analytic if a != "static"}},
         "analytic_steady_samples_per_s": {a: runs[a]["steady_samples_per_s"] for a in analytic},
         "restarts": pol["restarts"],
+        "relocations": pol["relocations"],
         "policy_final_plan": pol["plans"][-1],
         "oracle_final_placement": orc["placements"][-1],
     }
@@ -93,6 +99,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
                         help="instead: a comma-separated list of allocators compared in one table")
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the scenario's)")
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the scenario's)")
+    parser.add_argument("--relocate", action="store_true",
+                        help="let the policy move ranks to free slots (stage 2: NCF-predicted lines, restart_cost per move)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.scenario and args.scenario_pos and args.scenario != args.scenario_pos:
@@ -115,7 +123,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
             print(f"error: `--policy` {args.policy!r} is not an allocator. HINT: use one of {sorted(ALLOCATORS)}.",
                   file=sys.stderr)
             return 2
-        out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed)
+        out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
         if args.json:
             print(json.dumps(out, indent=2))
             return 0
@@ -128,6 +136,9 @@ def simulate_main(argv: list[str] | None = None) -> int:
                            (f"best analytic ({t['best_analytic']['allocator']})", "best_analytic")):
             print(f"| {label} | {t[key]['samples_per_s']:.0f} | {t[key]['steady_samples_per_s']:.0f} |")
         r = out["ratios_steady"]
+        for m in out["relocations"]:
+            print(f"relocation before epoch {m['epoch']}: (rank, place) {m['moves']}, predicted "
+                  f"{100 * m['predicted_gain']:.1f}% faster steps")
         print(f"policy / oracle {r['policy_vs_oracle']:.3f}, / equal split {r['policy_vs_equal_split']:.2f}x, "
               f"/ best analytic {r['policy_vs_best_analytic']:.3f}; decision "
               f"{out['decision_ms_per_epoch']['policy']:.2f} ms per epoch")
@@ -135,7 +146,7 @@ def simulate_main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for a in _allocators(args.allocators):
         alloc = get_allocator(a)
-        r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed)
+        r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
         if hasattr(alloc, "last_choice"):
             r["last_choice"] = alloc.last_choice
         results[a] = r

@@ -97,7 +97,9 @@ class InterferenceCorrection:
         self._cache: dict[tuple[str, str, str | None], float | None] = {}
         self.corrections = 0  #: ranks whose line was corrected so far
 
-    def _slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
+    def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
+        """The predicted slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one; ``None``
+        when the predictor does not know a name)."""
         key = (workload, device, corunner)
         if key not in self._cache:
             if corunner is None:
@@ -121,7 +123,7 @@ class InterferenceCorrection:
         for i, (d, c0, c1) in enumerate(zip(devices, measured, upcoming)):
             if c0 == c1:
                 continue
-            s0, s1 = self._slowdown(workload, d, c0), self._slowdown(workload, d, c1)
+            s0, s1 = self.slowdown(workload, d, c0), self.slowdown(workload, d, c1)
             if s0 is not None and s1 is not None and s0 > 0:
                 out[i] = s1 / s0
                 self.corrections += 1

@@ -1,0 +1,117 @@
+"""Stage 2 applied: the Relocator's decisions, and relocation inside the simulator's loop."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+
+import numpy as np
+import pytest
+
+from hetero_plugins.scheduler import relocation as relocation_module
+from hetero_plugins.scheduler.relocation import Relocator
+from hetero_plugins.sim import BUILTIN_SCENARIOS, load_scenario, simulate
+from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+
+V100, T4 = (0.005, 0.0005), (0.006, 0.0012)
+
+
+def _propose(r: Relocator, **overrides):
+    kwargs = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
+                  lines=[V100, T4], free_slots=[{"device": "v100"}], global_batch=512, steps_per_epoch=20,
+                  epochs_left=5)
+    kwargs.update(overrides)
+    return r.propose(**kwargs)
+
+
+def test_doctests():
+    assert doctest.testmod(relocation_module).failed == 0
+
+
+def test_a_rank_beside_a_new_corunner_moves_to_a_faster_free_slot():
+    d = _propose(Relocator(restart_cost=0.0))
+    assert d.moves == [(1, 0)]
+    # The mover's line is the v100 solo line (rank 0 is dedicated, so it is rank 0's own).
+    assert d.lines[1] == pytest.approx(V100)
+    assert d.lines[0] == pytest.approx(V100)
+    assert d.step_time < d.current_step_time and d.predicted_gain > 0.2
+    assert d.saved_seconds == pytest.approx((d.current_step_time - d.step_time) * 3 * 20)
+
+
+def test_the_restart_cost_and_the_horizon_decide():
+    free = _propose(Relocator(restart_cost=0.0))
+    per_step = free.current_step_time - free.step_time
+    # A restart that costs more than the steps of the horizon save: stay.
+    assert _propose(Relocator(restart_cost=per_step * 60 * 1.01)).moves == []
+    assert _propose(Relocator(restart_cost=per_step * 60 * 0.99)).moves == [(1, 0)]
+    # One epoch left: the horizon shrinks to it.
+    assert _propose(Relocator(restart_cost=per_step * 30), epochs_left=1).moves == []
+    assert _propose(Relocator(restart_cost=per_step * 30, horizon_epochs=1)).moves == []
+
+
+def test_no_move_on_noise_and_no_move_to_an_unknown_device():
+    r = Relocator(restart_cost=0.0)
+    # A free t4 slot like rank 1's own, and rank 1 measured 2% slower than the other t4: nobody moves.
+    d = r.propose(devices=["t4", "t4"], corunners=[None, None], next_corunners=[None, None],
+                  lines=[T4, (T4[0] * 1.02, T4[1] * 1.02)], free_slots=[{"device": "t4"}], global_batch=256,
+                  steps_per_epoch=20, epochs_left=10)
+    assert d.moves == []
+    # No rank runs on an a100, so its solo line is unknown: the slot is not considered.
+    d = _propose(r, free_slots=[{"device": "a100"}])
+    assert d.moves == [] and d.unknown_slots == [0]
+    # The same slot with a co-runner the NCF does not know is skipped too.
+    d = _propose(r, free_slots=[{"device": "v100", "corunner": "crypto-miner"}])
+    assert d.moves == [] and d.unknown_slots == [0]
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="restart_cost"):
+        Relocator(restart_cost=-1.0)
+    with pytest.raises(ValueError, match="horizon_epochs"):
+        Relocator(horizon_epochs=0)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        _propose(Relocator(), lines=[V100])
+
+
+def test_a_predicted_time_model_is_replaced_by_measurements():
+    m = LinearTimeModel.from_params(TimeModelParams(0.01, 0.002), 32)
+    assert m.predict(32) == pytest.approx(0.074)
+    for _ in range(6):  # the slot is 2x slower than predicted
+        m.observe(32, 0.148)
+    assert m.predict(32) == pytest.approx(0.148, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["elastic", "interference"])
+def test_relocation_in_the_simulator_beats_staying(name):
+    stay = [simulate(name, "auto", seed=s)["steady_samples_per_s"] for s in (0, 1)]
+    runs = [simulate(name, "auto", seed=s, relocation=True) for s in (0, 1)]
+    assert all(r["relocations"] for r in runs)
+    moved = runs[0]["relocations"][0]["moves"]
+    place = {r: p for r, p in moved}
+    # The rank took a free place (after the scenario's own ranks) and kept it.
+    assert all(p >= load_scenario(name).world_size for p in place.values())
+    for r, p in place.items():
+        later = [pl for pl in runs[0]["placements"][runs[0]["relocations"][0]["epoch"]:]]
+        assert all(p in pl for pl in later)
+    assert np.mean([r["steady_samples_per_s"] for r in runs]) > 1.05 * np.mean(stay)
+
+
+def test_the_restart_cost_is_charged_once_and_placement_events_stay_with_the_place():
+    spec = copy.deepcopy(BUILTIN_SCENARIOS["elastic"])
+    base = simulate(spec, "equal_finish", relocation=True)
+    spec["restart_cost"] = 0.05
+    cheap = simulate(spec, "equal_finish", relocation=True)
+    e = base["relocations"][0]["epoch"]
+    assert cheap["relocations"] == base["relocations"]
+    assert base["epoch_times"][e] - cheap["epoch_times"][e] == pytest.approx(0.2 - 0.05)
+    assert base["epoch_times"][e + 1] == pytest.approx(cheap["epoch_times"][e + 1])
+    # Without relocation nothing changes from the place-free simulator: the same times as before.
+    plain = simulate(spec, "equal_finish")
+    assert plain["relocations"] == [] and plain["placements"][0] == list(range(6))
+
+
+def test_restart_cost_is_validated():
+    spec = copy.deepcopy(BUILTIN_SCENARIOS["elastic"])
+    spec["restart_cost"] = -1
+    with pytest.raises(ValueError, match="restart_cost"):
+        load_scenario(spec)
