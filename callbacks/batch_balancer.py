@@ -20,6 +20,7 @@ Lightning's own sampler (its iterator already exists when callbacks first see th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,7 @@ from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.callbacks.straggler_monitor import _gather, gather_records
+from hetero_plugins.cluster import ClusterSource, ClusterView, read_cluster, resolve_cluster_source
 from hetero_plugins.planner import BalancePlanner
 from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
@@ -79,6 +81,18 @@ class BatchBalancer(Callback):
             rank 0 may change the plan for the rest of the epoch (a rank that slows down is rebalanced within
             about ten steps; the step unions stay those of the epoch's order). Needs the strategy (or a
             user-supplied ``HeteroBatchSampler``) and ``locality=False``; ``None`` plans at epoch ends only.
+        cluster: where the cluster manager says what runs where (stage 2 of the learned scheduler): the path
+            of a JSON file re-read at every epoch boundary, or a callable ``epoch -> dict`` (picklable under
+            ``ddp_spawn``); default the file named by ``HETERO_PLUGINS_CLUSTER``, else none. Format in
+            :mod:`hetero_plugins.cluster`: each rank's device type and co-runner for the epoch, and free slots.
+            Rank 0 reads it: allocators with ``set_context`` (``"dqn"``, ``"auto"``) get the co-runner changes
+            and the measured data times before each epoch-end decision.
+        relocation: with free slots in the cluster description, rank 0 decides at every epoch end whether
+            moving ranks to them pays for a restart (:class:`~hetero_plugins.scheduler.relocation.Relocator`;
+            ``True``: defaults, 60 s per restart; ``False``: off). A gaining relocation is logged, added to
+            ``plan_history`` as ``relocation`` and written as a restart spec, with a ``RuntimeWarning`` naming
+            the gain; the run itself continues in place.
+        restart_spec: where the restart spec goes (default ``<default_root_dir>/hetero_restart.json``).
 
     Attributes:
         batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
@@ -101,6 +115,9 @@ class BatchBalancer(Callback):
         log_metrics: bool = True,
         replan_every: int | None = 5,
         policy: str | Allocator | None = None,
+        cluster: ClusterSource | None = None,
+        relocation: bool | Any = True,
+        restart_spec: str | os.PathLike[str] | None = None,
     ) -> None:
         allocator = resolve_policy(allocator, policy)
         # Validate every option now, in the launching process, before any rank starts.
@@ -121,6 +138,15 @@ class BatchBalancer(Callback):
         if replan_every is not None:
             check_int("replan_every", replan_every, minimum=1, hint="use None to replan only at epoch ends")
         self.replan_every = replan_every
+        self.cluster = resolve_cluster_source(cluster)
+        if not (isinstance(relocation, bool) or hasattr(relocation, "propose")):
+            raise ValueError(f"`relocation`={relocation!r} is not usable. HINT: pass True (default Relocator), False, "
+                             "or a hetero_plugins.scheduler.relocation.Relocator.")
+        self.relocation = relocation
+        self.restart_spec = restart_spec
+        self._placement: ClusterView | None = None
+        self._relocator: Any = None
+        self._last_moves: Any = None
         self._cursor = 0
         self._epoch_parts: list[np.ndarray] = []
         self._plan_changes: list[dict[str, Any]] = []
@@ -179,6 +205,18 @@ class BatchBalancer(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.cluster is not None:
+            # Rank 0 reads the description; every rank learns whether it is valid, so a bad file stops all
+            # ranks with the same error instead of leaving the others waiting in a collective.
+            problem = None
+            if trainer.is_global_zero:
+                try:
+                    self._placement = read_cluster(self.cluster, trainer.current_epoch, trainer.world_size)
+                except ValueError as err:
+                    problem = str(err)
+            problem = trainer.strategy.broadcast(problem, src=0)
+            if problem:
+                raise ValueError(problem)
         if self._external_weighting is not None or self._hook_state is not None:
             return
         model = trainer.strategy.model
@@ -296,15 +334,21 @@ class BatchBalancer(Callback):
         local = [float(cap)] + [float(stats.get(k, -1.0)) for k in ("cpu_percent", "gpu_util", "gpu_mem_used")]
         table = _gather(strategy, torch.tensor(local, dtype=torch.float64)).reshape(-1, 4).tolist()
         caps = [None if row[0] < 0 else int(row[0]) for row in table]
+        upcoming = self._set_cluster_context(trainer, planner, gathered)
         entry = planner.end_epoch(
             trainer.current_epoch, gathered, epoch_time=float(elapsed_all.max()), memory_caps=caps,
             observed_steps=observed, start_plan=self._start_plan,
         )
         entry["plan_changes"] = list(self._plan_changes)
         self._epoch_parts, self._cursor = [], 0
-        plan = strategy.broadcast(list(planner.plan), src=0)
-        planner.plan = [int(b) for b in plan]
+        # Rank 0 decides (it alone may hold the cluster context): every rank adopts its plan and its record of it.
+        decided = strategy.broadcast({"plan": list(planner.plan), "predicted_gain": entry.get("predicted_gain"),
+                                      "plan_changed": entry.get("plan_changed")}, src=0)
+        planner.plan = [int(b) for b in decided["plan"]]
         entry["next_batch_sizes"] = list(planner.plan)
+        entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
+        if self.cluster is not None:
+            entry["relocation"] = strategy.broadcast(self._relocate(trainer, planner, gathered, upcoming), src=0)
         for col, key in ((1, "cpu_percent"), (2, "gpu_util"), (3, "gpu_mem_used")):
             values = [None if row[col] < 0 else row[col] for row in table]
             entry[key] = values
@@ -320,6 +364,63 @@ class BatchBalancer(Callback):
                 f"BatchBalancer: epoch {entry['epoch']} batch sizes {entry['batch_sizes']} straggler level "
                 f"{entry['straggler_level']:.3f}; next {entry['next_batch_sizes']}"
             )
+
+    # ------------------------------------------------------------------ stage 2: cluster context, relocation
+    @staticmethod
+    def _data_times(gathered: np.ndarray) -> list[float]:
+        out = []
+        for r in range(gathered.shape[0]):
+            rows = gathered[r, gathered[r, :, 0] > 0, 2]
+            out.append(float(rows.mean()) if rows.size else 0.0)
+        return out
+
+    def _set_cluster_context(self, trainer: pl.Trainer, planner: BalancePlanner, gathered: np.ndarray) -> ClusterView | None:
+        """Rank 0: read the next epoch's placement and hand the allocator what changes (before it decides)."""
+        if self.cluster is None or not trainer.is_global_zero:
+            return None
+        try:
+            upcoming = read_cluster(self.cluster, trainer.current_epoch + 1, trainer.world_size)
+        except ValueError as err:  # a manager caught mid-write: decide without context this time
+            self._warn_once(f"cluster:{err}", f"BatchBalancer: cluster description skipped this epoch: {err}")
+            return None
+        measured = self._placement or upcoming
+        set_context = getattr(planner.allocator, "set_context", None)
+        if set_context is not None:
+            set_context(data=self._data_times(gathered), devices=upcoming.devices, corunners=measured.corunners,
+                        next_corunners=upcoming.corunners, workload=upcoming.workload)
+        return upcoming
+
+    def _relocate(self, trainer: pl.Trainer, planner: BalancePlanner, gathered: np.ndarray,
+                  upcoming: ClusterView | None) -> dict[str, Any] | None:
+        """Rank 0: would moving ranks to free slots pay for a restart? Write the restart spec if so."""
+        measured, self._placement = self._placement, upcoming or self._placement
+        if not trainer.is_global_zero or upcoming is None or not upcoming.free_slots or self.relocation is False:
+            return None
+        if any(p is None for p in planner.model_params()):
+            return None
+        if self._relocator is None:
+            from hetero_plugins.scheduler.relocation import Relocator
+
+            self._relocator = Relocator() if self.relocation is True else self.relocation
+        max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1 << 20
+        decision = self._relocator.propose(
+            devices=upcoming.devices, corunners=(measured or upcoming).corunners, next_corunners=upcoming.corunners,
+            lines=[(p.intercept, p.slope) for p in planner.model_params()], free_slots=upcoming.free_slots,
+            global_batch=planner.global_batch, steps_per_epoch=int(gathered.shape[1]),
+            epochs_left=max_epochs - trainer.current_epoch - 1, data=self._data_times(gathered),
+            workload=upcoming.workload)
+        info = {"epoch": trainer.current_epoch + 1, "moves": [list(m) for m in decision.moves],
+                "predicted_gain": decision.predicted_gain, "saved_seconds": decision.saved_seconds, "spec": None}
+        if decision.moves and decision.moves != self._last_moves:
+            from hetero_plugins.scheduler.relocation import write_relocation_spec
+
+            path = self.restart_spec or os.path.join(trainer.default_root_dir, "hetero_restart.json")
+            info["spec"] = str(write_relocation_spec(path, decision, upcoming.devices, upcoming.corunners,
+                                                     upcoming.free_slots, epoch=trainer.current_epoch + 1))
+            log.warning("BatchBalancer: relocation %s predicted %.1f%% faster; spec %s", decision.moves,
+                        100 * decision.predicted_gain, info["spec"])
+        self._last_moves = decision.moves
+        return info
 
     def state_dict(self) -> dict[str, Any]:
         if self.planner is not None:

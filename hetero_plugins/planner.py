@@ -109,10 +109,18 @@ class BalancePlanner:
         return [m.params() for m in self.models]
 
     def predict_step_time(self, plan: Sequence[int]) -> float:
-        """Predicted makespan (slowest rank's compute seconds) of one step under ``plan``; nan if unknown."""
+        """Predicted makespan (slowest rank's compute seconds) of one step under ``plan``; nan if unknown.
+
+        An allocator that predicts step times itself (``allocator.predict_makespan(models, plan)``, e.g. the
+        learned ones, whose lines include co-runner changes known at the epoch boundary) is asked instead, so
+        the damping gate does not veto a plan decided on what the fitted lines do not know yet.
+        """
         params = self.model_params()
         if any(p is None for p in params):
             return float("nan")
+        predict = getattr(self.allocator, "predict_makespan", None)
+        if predict is not None:
+            return float(predict(params, plan))
         return max(p.predict(b) for p, b in zip(params, plan))
 
     def rates(self, plan: Sequence[int]) -> list[float | None]:

@@ -566,21 +566,6 @@ class ClusterSim:
         return float(np.max(a + beta * np.asarray(plan, dtype=np.float64) + data))
 
 
-class _PolicyPlanner(BalancePlanner):
-    """The planner in the simulator's loop: the damping gate uses the allocator's own step-time prediction
-    (``allocator.predict_makespan(models, plan)``) when the allocator offers one, e.g. a learned policy whose
-    time models include data time and predicted co-runner slowdowns; otherwise it is the stock planner."""
-
-    def predict_step_time(self, plan: Sequence[int]) -> float:
-        predict = getattr(self.allocator, "predict_makespan", None)
-        if predict is None:
-            return super().predict_step_time(plan)
-        params = self.model_params()
-        if any(p is None for p in params):
-            return float("nan")
-        return float(predict(params, plan))
-
-
 def simulate(
     scenario: Scenario | str | Path | Mapping[str, Any],
     allocator: str | Allocator = "equal_finish",
@@ -611,7 +596,8 @@ def simulate(
 
     Ranks lost or added by events restart the planner at the epoch boundary (survivors keep their time
     models). Every step also pays the scenario's ring all-reduce time. The planner's damping gate
-    (``min_gain``) uses the allocator's ``predict_makespan`` where it has one (see :class:`_PolicyPlanner`).
+    (``min_gain``) uses the allocator's ``predict_makespan`` where it has one (see
+    :meth:`~hetero_plugins.planner.BalancePlanner.predict_step_time`).
 
     Returns:
         dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
@@ -666,7 +652,7 @@ def simulate(
             # models and places; a new rank takes its own place and starts from the NCF-predicted line of it
             # (with a relocator) or a survivor's of the same device type, and the first plan is decided from
             # those models when every rank has one.
-            new = _PolicyPlanner(len(act), sc.global_batch, allocator=alloc, min_gain=min_gain)
+            new = BalancePlanner(len(act), sc.global_batch, allocator=alloc, min_gain=min_gain)
             for r in act:
                 where.setdefault(int(r), int(r))
             if planner is not None and members is not None:

@@ -15,6 +15,7 @@ global batch b x world_size stays constant.
 from __future__ import annotations
 
 import atexit
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from hetero_plugins.aggregation import AggregationOptions
 from hetero_plugins.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+from hetero_plugins.cluster import ClusterSource
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 
@@ -61,6 +63,12 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
             weighted by rank share), ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"``, ``"local_sgd"``, or an
             :class:`~hetero_plugins.aggregation.AggregationOptions` with the mode's options (see
             :mod:`hetero_plugins.aggregation` for each mode's trade-off).
+        cluster: what runs where, from the cluster manager (a JSON file re-read every epoch, or a callable
+            ``epoch -> dict``; default the file in ``HETERO_PLUGINS_CLUSTER``): co-runner changes reach the
+            learned allocators, free slots enable relocation (see :mod:`hetero_plugins.cluster`).
+        relocation: plan rank relocations to free slots at epoch ends (``True``, ``False`` or a
+            :class:`~hetero_plugins.scheduler.relocation.Relocator`); gaining ones are written as a restart spec.
+        restart_spec: path of the restart spec (default ``<default_root_dir>/hetero_restart.json``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, DDP keyword arguments...).
 
@@ -84,6 +92,9 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         replan_every: int | None = 5,
         policy: str | Allocator | None = None,
         aggregation: str | AggregationOptions | None = None,
+        cluster: ClusterSource | None = None,
+        relocation: bool | Any = True,
+        restart_spec: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         if "ddp_comm_hook" in kwargs:
@@ -97,7 +108,8 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         self.balancer = BatchBalancer(
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
-            replan_every=replan_every, policy=policy,
+            replan_every=replan_every, policy=policy, cluster=cluster, relocation=relocation,
+            restart_spec=restart_spec,
         )
         self._init_aggregation(aggregation)
 

@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from hetero_plugins.aggregation import AggregationOptions
 from hetero_plugins.allocators import Allocator
+from hetero_plugins.cluster import ClusterSource
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
@@ -126,6 +127,12 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
             :class:`~hetero_plugins.aggregation.AggregationOptions` (see :mod:`hetero_plugins.aggregation`); the
             modes other than ``"weighted"`` exchange through ``hvd.allreduce`` themselves instead of wrapping the
             optimizer in ``hvd.DistributedOptimizer``.
+        cluster: what runs where, from the cluster manager (a JSON file re-read every epoch, or a callable
+            ``epoch -> dict``; default the file in ``HETERO_PLUGINS_CLUSTER``): co-runner changes reach the
+            learned allocators, free slots enable relocation (see :mod:`hetero_plugins.cluster`).
+        relocation: plan rank relocations to free slots at epoch ends (``True``, ``False`` or a
+            :class:`~hetero_plugins.scheduler.relocation.Relocator`); gaining ones are written as a restart spec.
+        restart_spec: path of the restart spec (default ``<default_root_dir>/hetero_restart.json``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.ParallelStrategy` (``accelerator``,
             ``checkpoint_io``, ``precision_plugin``).
 
@@ -155,6 +162,9 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         replan_every: int | None = 5,
         policy: str | Allocator | None = None,
         aggregation: str | AggregationOptions | None = None,
+        cluster: ClusterSource | None = None,
+        relocation: bool | Any = True,
+        restart_spec: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
@@ -166,7 +176,8 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         self.balancer = BatchBalancer(
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
-            replan_every=replan_every, policy=policy,
+            replan_every=replan_every, policy=policy, cluster=cluster, relocation=relocation,
+            restart_spec=restart_spec,
         )
         self._auto_sync = False
         self._weightings: list[GradientWeighting] = []

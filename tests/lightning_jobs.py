@@ -114,3 +114,12 @@ def read_reports(out_dir: str, world_size: int) -> list[dict[str, Any]]:
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
             out.append(json.load(f))
     return out
+
+
+def video_arrives_on_rank_1(epoch: int) -> dict[str, Any]:
+    """A cluster description (``cluster=`` of the balancer): from epoch 1 a video job shares rank 1's GPU and
+    an idle v100 is free."""
+    if epoch == 0:
+        return {"ranks": [{"device": "v100", "corunner": None}, {"device": "v100", "corunner": None}]}
+    return {"ranks": [{"device": "v100", "corunner": None}, {"device": "v100", "corunner": "video"}],
+            "free_slots": [{"device": "v100", "corunner": None}]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import doctest
+import json
 
 import numpy as np
 import pytest
@@ -115,3 +116,52 @@ def test_restart_cost_is_validated():
     spec["restart_cost"] = -1
     with pytest.raises(ValueError, match="restart_cost"):
         load_scenario(spec)
+
+
+def test_the_spec_names_the_moves_and_warns_with_the_gain(tmp_path):
+    import json
+
+    from hetero_plugins.scheduler.relocation import write_relocation_spec
+
+    d = _propose(Relocator(restart_cost=0.0))
+    with pytest.warns(RuntimeWarning, match=r"rank\(s\) \[1\] to free slot\(s\) \[0\].*% faster"):
+        path = write_relocation_spec(tmp_path / "spec.json", d, ["v100", "t4"], [None, "video"],
+                                     [{"device": "v100", "corunner": None}], epoch=3)
+    spec = json.loads(path.read_text())
+    assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}] and spec["epoch"] == 3
+    assert spec["ranks"][0] == {"rank": 0, "device": "v100", "corunner": None, "from": "own"}
+    assert spec["predicted_gain"] == pytest.approx(d.predicted_gain)
+    stay = _propose(Relocator(restart_cost=1e9))
+    assert write_relocation_spec(tmp_path / "none.json", stay, ["v100", "t4"], [None, None], []) is None
+    assert not (tmp_path / "none.json").exists()
+
+
+def test_cluster_descriptions_are_validated(tmp_path, monkeypatch):
+    from hetero_plugins import cluster as cluster_module
+    from hetero_plugins.cluster import CLUSTER_ENV, parse_cluster, read_cluster, resolve_cluster_source
+
+    assert doctest.testmod(cluster_module).failed == 0
+    good = {"workload": "resnet", "ranks": [{"device": "v100"}, {"device": "t4", "corunner": "video"}],
+            "free_slots": [{"device": "a100", "corunner": None, "data": 0.001}]}
+    v = parse_cluster(good, 2)
+    assert v.free_slots == [{"device": "a100", "corunner": None, "data": 0.001}] and v.workload == "resnet"
+    for spec, match in [({"ranks": [{"device": "v100"}]}, r"`ranks` is invalid.*one entry per rank \(2\)"),
+                        ({"ranks": [{"device": "v100"}, {"gpu": "t4"}]}, r"`ranks\[1\]` is invalid"),
+                        ({"ranks": [{"device": "v100"}, {"device": ""}]}, r"`ranks\[1\].device`"),
+                        ({**good, "free_slots": [{"device": "v100", "data": -1}]}, r"`free_slots\[0\].data`"),
+                        ({**good, "nodes": 3}, r"`nodes` is invalid.*remove it")]:
+        with pytest.raises(ValueError, match=match):
+            parse_cluster(spec, 2)
+    path = tmp_path / "c.json"
+    with pytest.raises(ValueError, match="does not exist"):
+        read_cluster(path, 0, 2)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_cluster(path, 0, 2)
+    path.write_text(json.dumps(good))
+    assert read_cluster(path, 0, 2).corunners == [None, "video"]
+    assert read_cluster(lambda e: good if e else {"ranks": [{"device": "v100"}] * 2}, 0, 2).corunners == [None, None]
+    monkeypatch.setenv(CLUSTER_ENV, str(path))
+    assert resolve_cluster_source(None) == str(path)
+    with pytest.raises(ValueError, match="`cluster`=3"):
+        resolve_cluster_source(3)

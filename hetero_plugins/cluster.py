@@ -1,0 +1,130 @@
+"""What a cluster manager knows about where the ranks run: device types, co-runners, free slots.
+
+A training job cannot see which other jobs share its GPUs or which GPUs sit idle; a cluster manager (Slurm,
+Kubernetes, a MIG partitioner...) can. The learned scheduler's stage 2 (:mod:`hetero_plugins.scheduler`) uses
+those *identities*, never their slowdowns, which the NCF predicts. The Lightning integration reads them from
+a :class:`ClusterView` source given as ``cluster=`` (or the ``HETERO_PLUGINS_CLUSTER`` environment variable):
+
+- a JSON file, re-read at every epoch boundary (the manager rewrites it when it places a job beside a rank);
+- or a callable ``cluster(epoch) -> dict``.
+
+Both describe the placement *for* an epoch, in the scenario schema's shape (docs/scheduler.md)::
+
+    {"workload": "training",
+     "ranks": [{"device": "v100", "corunner": null}, {"device": "t4", "corunner": "video"}],
+     "free_slots": [{"device": "v100", "corunner": null}]}
+
+Example::
+
+    >>> v = parse_cluster({"ranks": [{"device": "v100"}, {"device": "t4", "corunner": "video"}]}, world_size=2)
+    >>> v.devices, v.corunners, v.free_slots, v.workload
+    (['v100', 't4'], [None, 'video'], [], 'training')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+__all__ = ["CLUSTER_ENV", "ClusterSource", "ClusterView", "parse_cluster", "read_cluster", "resolve_cluster_source"]
+
+#: Environment variable naming a cluster file when ``cluster=`` is not given.
+CLUSTER_ENV = "HETERO_PLUGINS_CLUSTER"
+
+ClusterSource = Union[str, "os.PathLike[str]", Callable[[int], Mapping[str, Any]]]
+
+_HINT = ('use {"workload"?: "training", "ranks": [{"device": "v100", "corunner": null}, ...] (one per rank), '
+         '"free_slots"?: [{"device": "v100", "corunner": null}]}')
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The placement of one epoch.
+
+    Attributes:
+        devices: each rank's device type (the NCF's item, e.g. ``"v100"``).
+        corunners: the job placed beside each rank (``None``: dedicated).
+        free_slots: idle places, each ``{"device", "corunner", "data"}``.
+        workload: this job's workload type (the NCF's user).
+    """
+
+    devices: list[str]
+    corunners: list[str | None]
+    free_slots: list[dict[str, Any]] = field(default_factory=list)
+    workload: str = "training"
+
+
+def _bad(where: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"cluster description field `{where}` is invalid: got {value!r}. HINT: {fix}")
+
+
+def _place(where: str, entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, Mapping) or set(entry) - {"device", "corunner", "data"}:
+        raise _bad(where, entry, 'use {"device": name, "corunner": null or a name, "data": seconds (optional)}.')
+    device, corunner = entry.get("device"), entry.get("corunner")
+    if not isinstance(device, str) or not device:
+        raise _bad(f"{where}.device", device, 'name the device type, e.g. "v100".')
+    if corunner is not None and (not isinstance(corunner, str) or not corunner):
+        raise _bad(f"{where}.corunner", corunner, 'use null (dedicated) or the co-located job\'s type, e.g. "video".')
+    data = entry.get("data", 0.0)
+    if isinstance(data, bool) or not isinstance(data, (int, float)) or data < 0:
+        raise _bad(f"{where}.data", data, "use seconds per step >= 0.")
+    return {"device": device, "corunner": corunner, "data": float(data)}
+
+
+def parse_cluster(spec: Mapping[str, Any], world_size: int) -> ClusterView:
+    """Validate a cluster description for ``world_size`` ranks; errors name the field, the value and the fix."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"a cluster description must be a JSON object, got {type(spec).__name__}. HINT: {_HINT}")
+    unknown = set(spec) - {"workload", "ranks", "free_slots"}
+    if unknown:
+        raise _bad(sorted(unknown)[0], spec[sorted(unknown)[0]], f"remove it; {_HINT}")
+    ranks = spec.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != world_size:
+        raise _bad("ranks", ranks, f"give one entry per rank ({world_size}); {_HINT}")
+    places = [_place(f"ranks[{i}]", r) for i, r in enumerate(ranks)]
+    slots = spec.get("free_slots", [])
+    if not isinstance(slots, list):
+        raise _bad("free_slots", slots, 'use a list of {"device": name, "corunner": null or a name}.')
+    workload = spec.get("workload", "training")
+    if not isinstance(workload, str) or not workload:
+        raise _bad("workload", workload, 'use the job\'s workload type, e.g. "training".')
+    return ClusterView([p["device"] for p in places], [p["corunner"] for p in places],
+                       [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload)
+
+
+def resolve_cluster_source(cluster: ClusterSource | None) -> ClusterSource | None:
+    """``cluster`` as given, else the file named by ``HETERO_PLUGINS_CLUSTER``, else ``None``."""
+    if cluster is not None:
+        if not (callable(cluster) or isinstance(cluster, (str, os.PathLike))):
+            raise ValueError(f"`cluster`={cluster!r} is not usable. HINT: pass the path of a cluster JSON file or a "
+                             "callable epoch -> dict (see hetero_plugins.cluster).")
+        return cluster
+    env = os.environ.get(CLUSTER_ENV)
+    return env or None
+
+
+def read_cluster(source: ClusterSource, epoch: int, world_size: int) -> ClusterView:
+    """The placement for ``epoch`` from a file (read now) or a callable (called with ``epoch``)."""
+    if callable(source):
+        spec = source(epoch)
+        origin = f"cluster({epoch})"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"cluster file {str(path)!r} does not exist. HINT: write it before training (see "
+                             f"hetero_plugins.cluster), or unset `cluster` / {CLUSTER_ENV}.")
+        try:
+            spec = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"cluster file {str(path)!r} is not valid JSON: {err}. HINT: fix the JSON syntax; "
+                             "a manager should write the file atomically (write a temporary file, then rename).") from err
+        origin = str(path)
+    try:
+        return parse_cluster(spec, world_size)
+    except ValueError as err:
+        raise ValueError(f"{origin}: {err}") from None
