@@ -46,7 +46,7 @@ from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchBalancer", "resolve_policy"]
+__all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
 
 
 def resolve_policy(allocator: str | Allocator | None, policy: str | Allocator | None) -> str | Allocator:
@@ -93,6 +93,14 @@ class BatchBalancer(Callback):
             ``plan_history`` as ``relocation`` and written as a restart spec, with a ``RuntimeWarning`` naming
             the gain; the run itself continues in place.
         restart_spec: where the restart spec goes (default ``<default_root_dir>/hetero_restart.json``).
+        apply_relocation: under torchrun with restarts left (``--max-restarts``), apply a relocation whose
+            moves stay on their hosts: every rank saves a checkpoint beside the spec and stops with
+            :class:`RelocationRestart`; torchrun starts the workers again, ``Trainer.fit(...,
+            ckpt_path=resume_checkpoint(spec))`` resumes, each moved rank runs on its slot's ``index`` (with
+            ``HeteroDDPStrategy``) and starts from the NCF-predicted time line of the slot. Needs
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment (PyTorch issue #135712: with the
+            agent's shared store, restarted workers can read stale addresses); without it, and in plain runs,
+            for moves across hosts or with no restarts left, the spec is only written.
 
     Attributes:
         batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
@@ -118,6 +126,7 @@ class BatchBalancer(Callback):
         cluster: ClusterSource | None = None,
         relocation: bool | Any = True,
         restart_spec: str | os.PathLike[str] | None = None,
+        apply_relocation: bool = True,
     ) -> None:
         allocator = resolve_policy(allocator, policy)
         # Validate every option now, in the launching process, before any rank starts.
@@ -144,6 +153,8 @@ class BatchBalancer(Callback):
                              "or a hetero_plugins.scheduler.relocation.Relocator.")
         self.relocation = relocation
         self.restart_spec = restart_spec
+        self.apply_relocation = bool(apply_relocation)
+        self._resumed_relocation: dict[str, Any] | None = None
         self._placement: ClusterView | None = None
         self._relocator: Any = None
         self._last_moves: Any = None
@@ -208,15 +219,17 @@ class BatchBalancer(Callback):
         if self.cluster is not None:
             # Rank 0 reads the description; every rank learns whether it is valid, so a bad file stops all
             # ranks with the same error instead of leaving the others waiting in a collective.
-            problem = None
+            problem, resumed = None, None
             if trainer.is_global_zero:
                 try:
                     self._placement = read_cluster(self.cluster, trainer.current_epoch, trainer.world_size)
                 except ValueError as err:
                     problem = str(err)
-            problem = trainer.strategy.broadcast(problem, src=0)
+                resumed = self.resumed_relocation(trainer)
+            problem, resumed = trainer.strategy.broadcast((problem, resumed), src=0)
             if problem:
                 raise ValueError(problem)
+            self._resumed_relocation = resumed
         if self._external_weighting is not None or self._hook_state is not None:
             return
         model = trainer.strategy.model
@@ -231,6 +244,9 @@ class BatchBalancer(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         planner = self._ensure_planner(trainer)
+        if self._resumed_relocation is not None and planner is not None:
+            self._adopt_relocation(trainer, planner, self._resumed_relocation)
+            self._resumed_relocation = None
         dl = trainer.train_dataloader
         own = self._own_batch_sampler(trainer)
         if own is not None and planner is not None:
@@ -349,6 +365,8 @@ class BatchBalancer(Callback):
         entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
         if self.cluster is not None:
             entry["relocation"] = strategy.broadcast(self._relocate(trainer, planner, gathered, upcoming), src=0)
+            if entry["relocation"] and entry["relocation"].get("checkpoint"):
+                self._restart_for_relocation(trainer, entry["relocation"])
         for col, key in ((1, "cpu_percent"), (2, "gpu_util"), (3, "gpu_mem_used")):
             values = [None if row[col] < 0 else row[col] for row in table]
             entry[key] = values
@@ -409,18 +427,79 @@ class BatchBalancer(Callback):
             global_batch=planner.global_batch, steps_per_epoch=int(gathered.shape[1]),
             epochs_left=max_epochs - trainer.current_epoch - 1, data=self._data_times(gathered),
             workload=upcoming.workload)
-        info = {"epoch": trainer.current_epoch + 1, "moves": [list(m) for m in decision.moves],
-                "predicted_gain": decision.predicted_gain, "saved_seconds": decision.saved_seconds, "spec": None}
+        info: dict[str, Any] = {
+            "epoch": trainer.current_epoch + 1, "moves": [list(m) for m in decision.moves],
+            "predicted_gain": decision.predicted_gain, "saved_seconds": decision.saved_seconds, "spec": None,
+            "checkpoint": None}
         if decision.moves and decision.moves != self._last_moves:
-            from hetero_plugins.scheduler.relocation import write_relocation_spec
+            from hetero_plugins.scheduler.relocation import torchelastic_restarts, write_relocation_spec
 
-            path = self.restart_spec or os.path.join(trainer.default_root_dir, "hetero_restart.json")
-            info["spec"] = str(write_relocation_spec(path, decision, upcoming.devices, upcoming.corunners,
-                                                     upcoming.free_slots, epoch=trainer.current_epoch + 1))
+            path = self.spec_path(trainer)
+            extra: dict[str, Any] = {}
+            elastic = torchelastic_restarts()
+            places = upcoming.places or [{"device": d, "corunner": c} for d, c in zip(upcoming.devices, upcoming.corunners)]
+            same_host = all(places[r].get("host") is None or upcoming.free_slots[k].get("host") is None
+                            or places[r]["host"] == upcoming.free_slots[k]["host"] for r, k in decision.moves)
+            shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            if self.apply_relocation and elastic is not None and elastic[1] < elastic[2] and same_host and shared_store:
+                self._warn_once("shared-store", (
+                    "BatchBalancer: not restarting to apply the relocation: torchrun shares its rendezvous store "
+                    "with the workers, and restarted workers can then read the previous attempt's addresses and "
+                    "fail to connect (PyTorch issue #135712). HINT: launch torchrun with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to let relocations restart the workers."))
+            elif self.apply_relocation and elastic is not None and elastic[1] < elastic[2] and same_host:
+                extra = {"checkpoint": os.path.join(os.path.dirname(os.path.abspath(path)), "hetero_relocation.ckpt"),
+                         "run_id": elastic[0], "restart_count": elastic[1]}
+            elif self.apply_relocation and elastic is not None and not same_host:
+                log.warning("BatchBalancer: the relocation moves ranks across hosts, which a torchrun restart "
+                            "cannot do; the spec is written for the launcher.")
+            info["spec"] = str(write_relocation_spec(path, decision, places, upcoming.free_slots,
+                                                     epoch=trainer.current_epoch + 1, extra=extra))
+            info["checkpoint"] = extra.get("checkpoint")
             log.warning("BatchBalancer: relocation %s predicted %.1f%% faster; spec %s", decision.moves,
                         100 * decision.predicted_gain, info["spec"])
         self._last_moves = decision.moves
         return info
+
+    def spec_path(self, trainer: pl.Trainer) -> str:
+        """Where the restart spec goes: ``restart_spec``, or ``<default_root_dir>/hetero_restart.json``."""
+        return str(self.restart_spec or os.path.join(trainer.default_root_dir, "hetero_restart.json"))
+
+    def resumed_relocation(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """The restart spec this fit resumes from (its checkpoint is ``trainer.ckpt_path``), else ``None``."""
+        from hetero_plugins.scheduler.relocation import read_relocation_spec
+
+        spec = read_relocation_spec(self.spec_path(trainer))
+        ckpt = trainer.ckpt_path
+        if spec is None or not spec.get("checkpoint") or not ckpt:
+            return None
+        return spec if os.path.abspath(str(ckpt)) == os.path.abspath(spec["checkpoint"]) else None
+
+    def _restart_for_relocation(self, trainer: pl.Trainer, info: dict[str, Any]) -> None:
+        """Every rank: checkpoint, then stop so that torchrun restarts the workers on the new placement."""
+        trainer.save_checkpoint(info["checkpoint"])
+        trainer.strategy.barrier("hetero_relocation")
+        raise RelocationRestart(
+            f"hetero_plugins: stopping the workers to apply the relocation {info['moves']} (rank, free slot), "
+            f"predicted {100 * info['predicted_gain']:.1f}% faster steps; torchrun restarts them, and "
+            f"Trainer.fit(..., ckpt_path=resume_checkpoint({info['spec']!r})) resumes from {info['checkpoint']!r}.")
+
+    def _adopt_relocation(self, trainer: pl.Trainer, planner: BalancePlanner, spec: dict[str, Any]) -> None:
+        """After a relocation restart: moved ranks start from their slot's predicted line; plan again."""
+        from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+
+        moved = {int(m["rank"]) for m in spec.get("moves", [])}
+        for entry in spec.get("ranks", []):
+            r = int(entry["rank"])
+            if r in moved and r < planner.world_size and entry.get("line"):
+                a, b = (float(x) for x in entry["line"])
+                planner.models[r] = LinearTimeModel.from_params(TimeModelParams(a, b), max(1, planner.plan[r]),
+                                                                half_life=planner.models[r].half_life)
+        planner.replan()
+        plan = trainer.strategy.broadcast(list(planner.plan), src=0)
+        planner.plan = [int(b) for b in plan]
+        if trainer.is_global_zero:
+            log.info("BatchBalancer: resumed after relocating rank(s) %s; plan %s", sorted(moved), planner.plan)
 
     def state_dict(self) -> dict[str, Any]:
         if self.planner is not None:
@@ -635,6 +714,10 @@ class BatchBalancer(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
+
+
+class RelocationRestart(RuntimeError):
+    """Raised on every rank to stop the workers so that torchrun restarts them with a relocation applied."""
 
 
 def _loader_like(dl: DataLoader, batch_sampler: Any) -> DataLoader:

@@ -12,7 +12,10 @@ Both describe the placement *for* an epoch, in the scenario schema's shape (docs
 
     {"workload": "training",
      "ranks": [{"device": "v100", "corunner": null}, {"device": "t4", "corunner": "video"}],
-     "free_slots": [{"device": "v100", "corunner": null}]}
+     "free_slots": [{"device": "v100", "corunner": null, "host": "node1", "index": 3}]}
+
+``host`` and ``index`` (the accelerator's index on its node) are optional; they tell a relocation restart
+where a moved rank runs (:mod:`hetero_plugins.scheduler.relocation`).
 
 Example::
 
@@ -50,12 +53,14 @@ class ClusterView:
         corunners: the job placed beside each rank (``None``: dedicated).
         free_slots: idle places, each ``{"device", "corunner", "data"}``.
         workload: this job's workload type (the NCF's user).
+        places: each rank's place as given (``device``, ``corunner``, ``data``, optional ``host``/``index``).
     """
 
     devices: list[str]
     corunners: list[str | None]
     free_slots: list[dict[str, Any]] = field(default_factory=list)
     workload: str = "training"
+    places: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _bad(where: str, value: Any, fix: str) -> ValueError:
@@ -63,8 +68,9 @@ def _bad(where: str, value: Any, fix: str) -> ValueError:
 
 
 def _place(where: str, entry: Any) -> dict[str, Any]:
-    if not isinstance(entry, Mapping) or set(entry) - {"device", "corunner", "data"}:
-        raise _bad(where, entry, 'use {"device": name, "corunner": null or a name, "data": seconds (optional)}.')
+    if not isinstance(entry, Mapping) or set(entry) - {"device", "corunner", "data", "host", "index"}:
+        raise _bad(where, entry, 'use {"device": name, "corunner": null or a name, "data": seconds, "host": name, '
+                   '"index": accelerator index} (all but "device" optional).')
     device, corunner = entry.get("device"), entry.get("corunner")
     if not isinstance(device, str) or not device:
         raise _bad(f"{where}.device", device, 'name the device type, e.g. "v100".')
@@ -73,7 +79,17 @@ def _place(where: str, entry: Any) -> dict[str, Any]:
     data = entry.get("data", 0.0)
     if isinstance(data, bool) or not isinstance(data, (int, float)) or data < 0:
         raise _bad(f"{where}.data", data, "use seconds per step >= 0.")
-    return {"device": device, "corunner": corunner, "data": float(data)}
+    out = {"device": device, "corunner": corunner, "data": float(data)}
+    host, index = entry.get("host"), entry.get("index")
+    if host is not None:
+        if not isinstance(host, str) or not host:
+            raise _bad(f"{where}.host", host, "use the node's host name.")
+        out["host"] = host
+    if index is not None:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise _bad(f"{where}.index", index, "use the accelerator's index on its node (an int >= 0), e.g. 2 for cuda:2.")
+        out["index"] = index
+    return out
 
 
 def parse_cluster(spec: Mapping[str, Any], world_size: int) -> ClusterView:
@@ -94,7 +110,7 @@ def parse_cluster(spec: Mapping[str, Any], world_size: int) -> ClusterView:
     if not isinstance(workload, str) or not workload:
         raise _bad("workload", workload, 'use the job\'s workload type, e.g. "training".')
     return ClusterView([p["device"] for p in places], [p["corunner"] for p in places],
-                       [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload)
+                       [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload, places)
 
 
 def resolve_cluster_source(cluster: ClusterSource | None) -> ClusterSource | None:

@@ -69,6 +69,9 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         relocation: plan rank relocations to free slots at epoch ends (``True``, ``False`` or a
             :class:`~hetero_plugins.scheduler.relocation.Relocator`); gaining ones are written as a restart spec.
         restart_spec: path of the restart spec (default ``<default_root_dir>/hetero_restart.json``).
+        apply_relocation: under torchrun with restarts left, apply a same-host relocation by checkpoint and
+            restart (see :class:`~hetero_plugins.callbacks.BatchBalancer`); resume with
+            ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, DDP keyword arguments...).
 
@@ -95,6 +98,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         cluster: ClusterSource | None = None,
         relocation: bool | Any = True,
         restart_spec: str | os.PathLike[str] | None = None,
+        apply_relocation: bool = True,
         **kwargs: Any,
     ) -> None:
         if "ddp_comm_hook" in kwargs:
@@ -109,7 +113,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
             replan_every=replan_every, policy=policy, cluster=cluster, relocation=relocation,
-            restart_spec=restart_spec,
+            restart_spec=restart_spec, apply_relocation=apply_relocation,
         )
         self._init_aggregation(aggregation)
 
@@ -121,6 +125,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._place_relocated_rank()
         super().setup_environment()
         # Release the process group before the interpreter's own teardown: left to static destructors, gloo's
         # threads occasionally abort a spawned worker at exit ("terminate called without an active exception")
@@ -128,6 +133,26 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         if not _EXIT_HOOK[0]:
             atexit.register(_destroy_process_group)
             _EXIT_HOOK[0] = True
+
+    def _place_relocated_rank(self) -> None:
+        """After a relocation restart, run this rank on the accelerator ``index`` its slot names (same host)."""
+        module = self._lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is None or not self.parallel_devices:
+            return
+        spec = self.balancer.resumed_relocation(trainer)
+        if spec is None:
+            return
+        slot = next((r for r in spec.get("ranks", []) if r.get("rank") == self.global_rank), None)
+        index = None if slot is None else slot.get("index")
+        device = self.parallel_devices[self.local_rank]
+        if index is None or device.type == "cpu":
+            return
+        count = torch.cuda.device_count() if device.type == "cuda" else None
+        if count is not None and index >= count:
+            raise ValueError(f"the restart spec places rank {self.global_rank} on {device.type}:{index}, but this "
+                             f"node has {count} device(s). HINT: fix `index` in the cluster description's free slot.")
+        self.parallel_devices[self.local_rank] = torch.device(device.type, index)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

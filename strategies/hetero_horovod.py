@@ -133,6 +133,9 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         relocation: plan rank relocations to free slots at epoch ends (``True``, ``False`` or a
             :class:`~hetero_plugins.scheduler.relocation.Relocator`); gaining ones are written as a restart spec.
         restart_spec: path of the restart spec (default ``<default_root_dir>/hetero_restart.json``).
+        apply_relocation: under torchrun with restarts left, apply a same-host relocation by checkpoint and
+            restart (see :class:`~hetero_plugins.callbacks.BatchBalancer`); resume with
+            ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))``.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.ParallelStrategy` (``accelerator``,
             ``checkpoint_io``, ``precision_plugin``).
 
@@ -165,6 +168,7 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         cluster: ClusterSource | None = None,
         relocation: bool | Any = True,
         restart_spec: str | os.PathLike[str] | None = None,
+        apply_relocation: bool = True,
         **kwargs: Any,
     ) -> None:
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
@@ -177,7 +181,7 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
             allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
             min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
             replan_every=replan_every, policy=policy, cluster=cluster, relocation=relocation,
-            restart_spec=restart_spec,
+            restart_spec=restart_spec, apply_relocation=apply_relocation,
         )
         self._auto_sync = False
         self._weightings: list[GradientWeighting] = []

@@ -125,14 +125,18 @@ def test_the_spec_names_the_moves_and_warns_with_the_gain(tmp_path):
 
     d = _propose(Relocator(restart_cost=0.0))
     with pytest.warns(RuntimeWarning, match=r"rank\(s\) \[1\] to free slot\(s\) \[0\].*% faster"):
-        path = write_relocation_spec(tmp_path / "spec.json", d, ["v100", "t4"], [None, "video"],
-                                     [{"device": "v100", "corunner": None}], epoch=3)
+        path = write_relocation_spec(tmp_path / "spec.json", d,
+                                     [{"device": "v100", "corunner": None, "host": "a", "index": 0},
+                                      {"device": "t4", "corunner": "video", "host": "a", "index": 1}],
+                                     [{"device": "v100", "corunner": None, "host": "a", "index": 2}], epoch=3)
     spec = json.loads(path.read_text())
     assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}] and spec["epoch"] == 3
-    assert spec["ranks"][0] == {"rank": 0, "device": "v100", "corunner": None, "from": "own"}
+    assert spec["ranks"][0] == {"rank": 0, "device": "v100", "corunner": None, "host": "a", "index": 0,
+                                "from": "own", "line": list(V100)}
+    assert spec["ranks"][1]["index"] == 2 and spec["ranks"][1]["from"] == "free_slots[0]"
     assert spec["predicted_gain"] == pytest.approx(d.predicted_gain)
     stay = _propose(Relocator(restart_cost=1e9))
-    assert write_relocation_spec(tmp_path / "none.json", stay, ["v100", "t4"], [None, None], []) is None
+    assert write_relocation_spec(tmp_path / "none.json", stay, [{"device": "v100"}] * 2, []) is None
     assert not (tmp_path / "none.json").exists()
 
 
@@ -165,3 +169,23 @@ def test_cluster_descriptions_are_validated(tmp_path, monkeypatch):
     assert resolve_cluster_source(None) == str(path)
     with pytest.raises(ValueError, match="`cluster`=3"):
         resolve_cluster_source(3)
+
+
+def test_resume_checkpoint_only_in_a_later_restart_of_the_same_run(tmp_path, monkeypatch):
+    from hetero_plugins.scheduler.relocation import resume_checkpoint
+
+    ckpt = tmp_path / "hetero_relocation.ckpt"
+    ckpt.write_bytes(b"x")
+    spec = tmp_path / "hetero_restart.json"
+    spec.write_text(json.dumps({"checkpoint": str(ckpt), "run_id": "job1", "restart_count": 0, "moves": []}))
+    for var in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(var, raising=False)
+    assert resume_checkpoint(spec) is None  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_checkpoint(spec) is None  # the attempt that wrote it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_checkpoint(spec) == str(ckpt)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")
+    assert resume_checkpoint(spec) is None  # a stale spec of another run
+    assert resume_checkpoint(tmp_path / "missing.json") is None

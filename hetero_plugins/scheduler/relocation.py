@@ -21,6 +21,7 @@ restart spec (:func:`~hetero_plugins.scheduler.ncf.write_restart_spec`).
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 
-__all__ = ["Relocation", "Relocator", "write_relocation_spec"]
+__all__ = ["Relocation", "Relocator", "read_relocation_spec", "resume_checkpoint", "torchelastic_restarts",
+           "write_relocation_spec"]
 
 
 @dataclass(frozen=True)
@@ -211,40 +213,76 @@ class Relocator:
         return Relocation(targets, new_lines, t_cur, t_new, float(saved), len(candidates) - n, unknown)
 
 
-def write_relocation_spec(path: str | Path, decision: Relocation, devices: Sequence[str],
-                          corunners: Sequence[str | None], free_slots: Sequence[Mapping[str, Any]],
-                          epoch: int | None = None) -> Path | None:
+def torchelastic_restarts() -> tuple[str, int, int] | None:
+    """``(run id, restart count, max restarts)`` when this process was started by torchrun, else ``None``."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return None
+    return run, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+
+
+def write_relocation_spec(path: str | Path, decision: Relocation, places: Sequence[Mapping[str, Any]],
+                          free_slots: Sequence[Mapping[str, Any]], epoch: int | None = None,
+                          extra: Mapping[str, Any] | None = None) -> Path | None:
     """Write a relocation as a JSON restart spec and warn naming the predicted gain.
 
-    The spec lists every rank's slot for the restart (``{"rank", "device", "corunner", "from"}``, ``from`` being
-    ``"own"`` or ``"free_slots[k]"``), the moves, the predicted step times and the seconds saved over the
-    horizon. Returns the path, or ``None`` when nobody moves. Applying it (relaunching the moved ranks on their
-    new devices and resuming from the last checkpoint) is the launcher's part.
+    The spec lists every rank's place after the move (its ``device``, ``corunner`` and, where the cluster
+    description gives them, ``host`` and ``index``; ``from`` is ``"own"`` or ``"free_slots[k]"``) with its
+    predicted time line, the moves, the predicted step times and the seconds saved over the horizon, plus
+    ``extra`` (e.g. the checkpoint of a relocation restart). The file is replaced atomically. Returns the path,
+    or ``None`` when nobody moves.
     """
     if not decision.moves:
         return None
     path = Path(path)
     ranks = []
     for r, target in enumerate(decision.targets):
-        if target is None:
-            ranks.append({"rank": r, "device": devices[r], "corunner": corunners[r], "from": "own"})
-        else:
-            slot = free_slots[target]
-            ranks.append({"rank": r, "device": slot["device"], "corunner": slot.get("corunner"),
-                          "from": f"free_slots[{target}]"})
+        place = dict(places[r]) if target is None else dict(free_slots[target])
+        place.pop("data", None)
+        ranks.append({"rank": r, **place, "from": "own" if target is None else f"free_slots[{target}]",
+                      "line": list(decision.lines[r])})
     spec = {"epoch": epoch, "predicted_gain": decision.predicted_gain,
             "current_step_time_s": decision.current_step_time, "predicted_step_time_s": decision.step_time,
             "saved_seconds": decision.saved_seconds, "ranks": ranks,
-            "moves": [{"rank": r, "to_free_slot": k} for r, k in decision.moves]}
+            "moves": [{"rank": r, "to_free_slot": k} for r, k in decision.moves], **dict(extra or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(spec, indent=2))
     tmp.replace(path)
+    action = ("the workers restart with it now" if spec.get("checkpoint")
+              else "restart the job with that placement to apply it")
     warnings.warn(
         f"hetero_plugins: moving rank(s) {[r for r, _ in decision.moves]} to free slot(s) "
         f"{[k for _, k in decision.moves]} is predicted to make steps {100 * decision.predicted_gain:.1f}% faster "
         f"({decision.saved_seconds:.1f} s saved over the next epochs, restart included); restart spec written to "
-        f"{str(path)!r}. Restart the job with that placement to apply it.",
+        f"{str(path)!r}; {action}.",
         RuntimeWarning, stacklevel=2,
     )
     return path
+
+
+def read_relocation_spec(path: str | Path) -> dict[str, Any] | None:
+    """The restart spec at ``path`` (``None`` if there is none or it is unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def resume_checkpoint(path: str | Path = "hetero_restart.json") -> str | None:
+    """The checkpoint to resume from after a relocation restart, else ``None``.
+
+    Under torchrun, a relocation that the balancer applies saves a checkpoint, records it in the restart spec
+    with torchrun's run id and restart count, and stops the workers; torchrun starts them again. Pass this to
+    ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))`` (``spec``: the strategy's ``restart_spec``, default
+    ``<default_root_dir>/hetero_restart.json``): it returns the checkpoint only in a later restart of the same
+    torchrun run, so a fresh run or a stale spec starts from scratch.
+    """
+    elastic = torchelastic_restarts()
+    spec = read_relocation_spec(path)
+    if elastic is None or spec is None or not spec.get("checkpoint"):
+        return None
+    run, count, _ = elastic
+    if spec.get("run_id") != run or count <= int(spec.get("restart_count", count)):
+        return None
+    return str(spec["checkpoint"]) if Path(spec["checkpoint"]).is_file() else None
