@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,9 +19,22 @@ def _torchrun(tmp_path, share_store: bool) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", SCRIPT, "--out", str(tmp_path)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0" if share_store else "1")
-    proc = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    p = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: kill every process of this job by its --out.
+        import psutil
+
+        for proc in psutil.process_iter(["cmdline"]):
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"torchrun did not finish in 240 s:\n{out[-3000:]}{err[-3000:]}")
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def test_torchrun_restart_applies_a_relocation_and_resumes(tmp_path):

@@ -62,7 +62,10 @@ def test_cluster_context_reaches_the_learned_scheduler_and_relocation_writes_a_s
     assert reloc["moves"] == [[1, 0]] and reloc["predicted_gain"] > 0.05 and reloc["spec"] == str(spec)
     written = json.loads(spec.read_text())
     assert written["moves"] == [{"rank": 1, "to_free_slot": 0}] and written["epoch"] == 1
-    assert written["ranks"][1] == {"rank": 1, "device": "v100", "corunner": None, "from": "free_slots[0]"}
+    moved = written["ranks"][1]
+    assert {k: moved[k] for k in ("rank", "device", "corunner", "from")} == {
+        "rank": 1, "device": "v100", "corunner": None, "from": "free_slots[0]"}
+    assert moved["line"][1] > 0  # the predicted line of the slot it would run on
 
 
 def test_a_bad_cluster_file_stops_every_rank_with_the_fix(tmp_path):

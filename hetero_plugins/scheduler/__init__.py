@@ -4,7 +4,8 @@
   with a pre-trained Double DQN; :class:`AutoAllocator` (``allocator="auto"``) falls back to
   ``equal_finish`` whenever the DQN's plan is predicted slower.
 - Stage 2 (IAWP): :class:`InterferencePredictor`, a NeuMF (He et al., WWW 2017) predicting co-runner
-  slowdowns, and :func:`plan_relocation` / :func:`write_restart_spec` for rank-to-slot relocation.
+  slowdowns; :class:`Relocator` decides when moving ranks to free slots pays for a restart
+  (:mod:`~hetero_plugins.scheduler.relocation`; :func:`plan_relocation` is the restart-cost-free planner).
 - :mod:`~hetero_plugins.scheduler.pretrain` and :mod:`~hetero_plugins.scheduler.transfer` build models on
   the simulator (:mod:`hetero_plugins.sim`); shipped defaults live in ``models/`` and load by default.
 """
@@ -13,6 +14,7 @@ from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
 from hetero_plugins.scheduler.features import FEATURE_SCHEMA_VERSION, FEATURES
 from hetero_plugins.scheduler.ncf import InterferencePredictor, RelocationPlan, plan_relocation, write_restart_spec
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
+from hetero_plugins.scheduler.relocation import Relocation, Relocator, resume_checkpoint, write_relocation_spec
 
 __all__ = [
     "FEATURES",
@@ -22,7 +24,11 @@ __all__ = [
     "DQNTrainer",
     "InterferencePredictor",
     "QNetwork",
+    "Relocation",
     "RelocationPlan",
+    "Relocator",
     "plan_relocation",
+    "resume_checkpoint",
+    "write_relocation_spec",
     "write_restart_spec",
 ]

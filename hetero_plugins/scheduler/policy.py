@@ -159,7 +159,7 @@ class DQNAllocator(Allocator):
         interference: stage 2 (IAWP): ``True`` corrects the fitted lines of ranks whose co-runner changes
             with the shipped NCF (:class:`InterferenceCorrection`), ``False`` turns it off; an
             ``InterferencePredictor`` or an NCF model file uses that predictor. It acts only when
-            :meth:`set_context` names co-runners (the simulator does; Lightning runs do not yet).
+            :meth:`set_context` names co-runners (the simulator does; Lightning runs do with ``cluster=``).
 
     Extra telemetry reaches the features through :meth:`set_context`; slopes are remembered between calls
     for the trend feature (one call per epoch under the planner).
