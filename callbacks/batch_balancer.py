@@ -39,8 +39,9 @@ from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.callbacks.straggler_monitor import _gather, gather_records
-from hetero_plugins.cluster import ClusterSource, ClusterView, read_cluster, resolve_cluster_source
+from hetero_plugins.cluster import ClusterSource, ClusterView, resolve_cluster_source
 from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor, data_times
 from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
 
@@ -148,16 +149,12 @@ class BatchBalancer(Callback):
             check_int("replan_every", replan_every, minimum=1, hint="use None to replan only at epoch ends")
         self.replan_every = replan_every
         self.cluster = resolve_cluster_source(cluster)
-        if not (isinstance(relocation, bool) or hasattr(relocation, "propose")):
-            raise ValueError(f"`relocation`={relocation!r} is not usable. HINT: pass True (default Relocator), False, "
-                             "or a hetero_plugins.scheduler.relocation.Relocator.")
+        advisor = ClusterAdvisor(self.cluster or "", relocation)  # validates `relocation` in any case
+        self._advisor = advisor if self.cluster is not None else None
         self.relocation = relocation
         self.restart_spec = restart_spec
         self.apply_relocation = bool(apply_relocation)
         self._resumed_relocation: dict[str, Any] | None = None
-        self._placement: ClusterView | None = None
-        self._relocator: Any = None
-        self._last_moves: Any = None
         self._cursor = 0
         self._epoch_parts: list[np.ndarray] = []
         self._plan_changes: list[dict[str, Any]] = []
@@ -222,7 +219,7 @@ class BatchBalancer(Callback):
             problem, resumed = None, None
             if trainer.is_global_zero:
                 try:
-                    self._placement = read_cluster(self.cluster, trainer.current_epoch, trainer.world_size)
+                    self._advisor.start(trainer.current_epoch, trainer.world_size)  # type: ignore[union-attr]
                 except ValueError as err:
                     problem = str(err)
                 resumed = self.resumed_relocation(trainer)
@@ -384,72 +381,45 @@ class BatchBalancer(Callback):
             )
 
     # ------------------------------------------------------------------ stage 2: cluster context, relocation
-    @staticmethod
-    def _data_times(gathered: np.ndarray) -> list[float]:
-        out = []
-        for r in range(gathered.shape[0]):
-            rows = gathered[r, gathered[r, :, 0] > 0, 2]
-            out.append(float(rows.mean()) if rows.size else 0.0)
-        return out
-
     def _set_cluster_context(self, trainer: pl.Trainer, planner: BalancePlanner, gathered: np.ndarray) -> ClusterView | None:
         """Rank 0: read the next epoch's placement and hand the allocator what changes (before it decides)."""
-        if self.cluster is None or not trainer.is_global_zero:
+        if self._advisor is None or not trainer.is_global_zero:
             return None
-        try:
-            upcoming = read_cluster(self.cluster, trainer.current_epoch + 1, trainer.world_size)
-        except ValueError as err:  # a manager caught mid-write: decide without context this time
-            self._warn_once(f"cluster:{err}", f"BatchBalancer: cluster description skipped this epoch: {err}")
-            return None
-        measured = self._placement or upcoming
-        set_context = getattr(planner.allocator, "set_context", None)
-        if set_context is not None:
-            set_context(data=self._data_times(gathered), devices=upcoming.devices, corunners=measured.corunners,
-                        next_corunners=upcoming.corunners, workload=upcoming.workload)
-        return upcoming
+        return self._advisor.before_decision(trainer.current_epoch, trainer.world_size, planner.allocator,
+                                             data_times(gathered))
 
     def _relocate(self, trainer: pl.Trainer, planner: BalancePlanner, gathered: np.ndarray,
                   upcoming: ClusterView | None) -> dict[str, Any] | None:
         """Rank 0: would moving ranks to free slots pay for a restart? Write the restart spec if so."""
-        measured, self._placement = self._placement, upcoming or self._placement
-        if not trainer.is_global_zero or upcoming is None or not upcoming.free_slots or self.relocation is False:
+        if self._advisor is None or not trainer.is_global_zero:
             return None
-        if any(p is None for p in planner.model_params()):
-            return None
-        if self._relocator is None:
-            from hetero_plugins.scheduler.relocation import Relocator
-
-            self._relocator = Relocator() if self.relocation is True else self.relocation
         max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1 << 20
-        decision = self._relocator.propose(
-            devices=upcoming.devices, corunners=(measured or upcoming).corunners, next_corunners=upcoming.corunners,
-            lines=[(p.intercept, p.slope) for p in planner.model_params()], free_slots=upcoming.free_slots,
-            global_batch=planner.global_batch, steps_per_epoch=int(gathered.shape[1]),
-            epochs_left=max_epochs - trainer.current_epoch - 1, data=self._data_times(gathered),
-            workload=upcoming.workload)
-        info: dict[str, Any] = {
-            "epoch": trainer.current_epoch + 1, "moves": [list(m) for m in decision.moves],
-            "predicted_gain": decision.predicted_gain, "saved_seconds": decision.saved_seconds, "spec": None,
-            "checkpoint": None}
-        if decision.moves and decision.moves != self._last_moves:
+        out = self._advisor.relocate(upcoming, planner, int(gathered.shape[1]), max_epochs - trainer.current_epoch - 1,
+                                     data_times(gathered))
+        if out is None:
+            return None
+        decision, new = out
+        info = self._advisor.info(trainer.current_epoch + 1, decision)
+        if new and upcoming is not None:
             from hetero_plugins.scheduler.relocation import torchelastic_restarts, write_relocation_spec
 
             path = self.spec_path(trainer)
             extra: dict[str, Any] = {}
             elastic = torchelastic_restarts()
-            places = upcoming.places or [{"device": d, "corunner": c} for d, c in zip(upcoming.devices, upcoming.corunners)]
+            places = self._advisor.places(upcoming)
             same_host = all(places[r].get("host") is None or upcoming.free_slots[k].get("host") is None
                             or places[r]["host"] == upcoming.free_slots[k]["host"] for r, k in decision.moves)
-            shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            if self.apply_relocation and elastic is not None and elastic[1] < elastic[2] and same_host and shared_store:
+            restarts_left = elastic is not None and elastic[1] < elastic[2]
+            if self.apply_relocation and restarts_left and same_host and \
+                    os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 self._warn_once("shared-store", (
                     "BatchBalancer: not restarting to apply the relocation: torchrun shares its rendezvous store "
                     "with the workers, and restarted workers can then read the previous attempt's addresses and "
                     "fail to connect (PyTorch issue #135712). HINT: launch torchrun with "
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to let relocations restart the workers."))
-            elif self.apply_relocation and elastic is not None and elastic[1] < elastic[2] and same_host:
+            elif self.apply_relocation and restarts_left and same_host:
                 extra = {"checkpoint": os.path.join(os.path.dirname(os.path.abspath(path)), "hetero_relocation.ckpt"),
-                         "run_id": elastic[0], "restart_count": elastic[1]}
+                         "run_id": elastic[0], "restart_count": elastic[1]}  # type: ignore[index]
             elif self.apply_relocation and elastic is not None and not same_host:
                 log.warning("BatchBalancer: the relocation moves ranks across hosts, which a torchrun restart "
                             "cannot do; the spec is written for the launcher.")
@@ -458,7 +428,6 @@ class BatchBalancer(Callback):
             info["checkpoint"] = extra.get("checkpoint")
             log.warning("BatchBalancer: relocation %s predicted %.1f%% faster; spec %s", decision.moves,
                         100 * decision.predicted_gain, info["spec"])
-        self._last_moves = decision.moves
         return info
 
     def spec_path(self, trainer: pl.Trainer) -> str:

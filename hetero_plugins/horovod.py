@@ -82,6 +82,8 @@ from hetero_plugins.microbatch import (
 from hetero_plugins.pseudo_sync import DelayedExchange, PseudoSyncCorrector
 from hetero_plugins.work_sharing import deadline_micro_batches, wbsp_micro_batches
 from hetero_plugins.allocators import Allocator
+from hetero_plugins.cluster import ClusterSource, resolve_cluster_source
+from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor, data_times
 from hetero_plugins.partition import EpochLayout, epoch_layout, epoch_shards
 from hetero_plugins.planner import BalancePlanner
 from hetero_plugins.telemetry import StepTimer
@@ -333,6 +335,15 @@ class HeteroBatchSampler(Sampler[list[int]]):
         min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
         half_life: forgetting of the per-rank time models, in steps.
         exchange: ``"auto"``, ``"horovod"`` or ``"mpi"`` (see :func:`get_exchange`).
+        cluster: the cluster description (stage 2 of the learned scheduler): a JSON file re-read at every
+            ``set_epoch``, or a callable ``epoch -> dict`` (see :mod:`hetero_plugins.cluster`); default the file
+            named by ``HETERO_PLUGINS_CLUSTER``, else none. Rank 0 reads it: learned allocators (``"dqn"``,
+            ``"auto"``) get co-runner changes before deciding, and free slots make rank 0 plan relocations.
+        relocation: ``True`` (default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False`` or a
+            ``Relocator``. A gaining relocation is written to ``restart_spec`` with a ``RuntimeWarning`` naming
+            the gain, and recorded in ``plan_history`` as ``relocation``; restarting the job on the new
+            placement is left to the launcher.
+        restart_spec: path of the restart spec (default ``hetero_restart.json`` in the working directory).
 
     Attributes:
         planner: the :class:`~hetero_plugins.planner.BalancePlanner` (identical on every rank).
@@ -359,6 +370,9 @@ class HeteroBatchSampler(Sampler[list[int]]):
         min_gain: float = 0.03,
         half_life: float = 6.0,
         exchange: str = "auto",
+        cluster: ClusterSource | None = None,
+        relocation: bool | Any = True,
+        restart_spec: str | os.PathLike[str] | None = None,
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.local_batch_size = check_int("batch_size", batch_size, minimum=1, hint="the per-rank batch size at the start")
@@ -391,6 +405,21 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._epoch_start: float | None = None
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
+        source = resolve_cluster_source(cluster)
+        advisor = ClusterAdvisor(source or "", relocation)  # validates `relocation` in any case
+        self._advisor = advisor if source is not None else None
+        self.restart_spec = str(restart_spec or "hetero_restart.json")
+        if self._advisor is not None:
+            # Rank 0 reads the description; every rank learns its verdict, so a bad one stops them all alike.
+            problem = None
+            if self.exchange.rank() == 0:
+                try:
+                    self._advisor.start(0, world)
+                except ValueError as err:
+                    problem = str(err)
+            problem = self.exchange.broadcast_object(problem, name="hetero_plugins.cluster")
+            if problem:
+                raise ValueError(problem)
         _register_elastic_handler()
 
     # ------------------------------------------------------------------ public surface
@@ -619,13 +648,39 @@ class HeteroBatchSampler(Sampler[list[int]]):
             return
         mine = records[-steps:]  # equal on all ranks; the tail if a rank saw more
         gathered = self.exchange.allgather(mine, name="hetero_plugins.records").reshape(world, steps, 3)
+        lead = self.exchange.rank() == 0 and self._advisor is not None
+        upcoming = (self._advisor.before_decision(self._epoch, world, self.planner.allocator, data_times(gathered))  # type: ignore[union-attr]
+                    if lead else None)
         entry = self.planner.end_epoch(self._epoch, gathered, epoch_time=float(headers[:, 1].max()))
-        plan = self.exchange.broadcast_object(list(self.planner.plan), name="hetero_plugins.plan")
-        self.planner.plan = [int(b) for b in plan]
+        relocation = self._relocate(upcoming, gathered) if lead else None
+        # Rank 0 decides (it alone may hold the cluster context): every rank adopts its plan and its record.
+        decided = self.exchange.broadcast_object(
+            {"plan": list(self.planner.plan), "predicted_gain": entry.get("predicted_gain"),
+             "plan_changed": entry.get("plan_changed"), "relocation": relocation}, name="hetero_plugins.plan")
+        self.planner.plan = [int(b) for b in decided["plan"]]
         entry["next_batch_sizes"] = list(self.planner.plan)
+        entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
+        if self._advisor is not None:
+            entry["relocation"] = decided["relocation"]
         if self.exchange.rank() == 0:
             log.info("HeteroBatchSampler: epoch %d batch sizes %s straggler level %.3f; next %s",
                      entry["epoch"], entry["batch_sizes"], entry["straggler_level"], entry["next_batch_sizes"])
+
+    def _relocate(self, upcoming: Any, gathered: np.ndarray) -> dict[str, Any] | None:
+        """Rank 0: would moving ranks to free slots pay for a restart? Write the restart spec if so."""
+        out = self._advisor.relocate(upcoming, self.planner, gathered.shape[1], 1 << 20, data_times(gathered))  # type: ignore[union-attr]
+        if out is None:
+            return None
+        decision, new = out
+        info = ClusterAdvisor.info(self._epoch + 1, decision)
+        if new:
+            from hetero_plugins.scheduler.relocation import write_relocation_spec
+
+            info["spec"] = str(write_relocation_spec(self.restart_spec, decision, ClusterAdvisor.places(upcoming),
+                                                     upcoming.free_slots, epoch=self._epoch + 1))
+            log.warning("HeteroBatchSampler: relocation %s predicted %.1f%% faster; spec %s", decision.moves,
+                        100 * decision.predicted_gain, info["spec"])
+        return info
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -189,3 +189,33 @@ def test_resume_checkpoint_only_in_a_later_restart_of_the_same_run(tmp_path, mon
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")
     assert resume_checkpoint(spec) is None  # a stale spec of another run
     assert resume_checkpoint(tmp_path / "missing.json") is None
+
+
+def test_cluster_advisor_context_relocation_and_a_file_caught_mid_write(tmp_path):
+    from hetero_plugins.planner import BalancePlanner
+    from hetero_plugins.scheduler import cluster_advisor as advisor_module
+    from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
+    from hetero_plugins.scheduler.policy import AutoAllocator
+
+    assert doctest.testmod(advisor_module).failed == 0
+    path = tmp_path / "cluster.json"
+    now = {"ranks": [{"device": "v100"}, {"device": "t4"}], "free_slots": [{"device": "v100"}]}
+    path.write_text(json.dumps(now))
+    adv = ClusterAdvisor(str(path), relocation=Relocator(restart_cost=0.0))
+    adv.start(0, 2)
+    planner = BalancePlanner(2, 64, allocator=AutoAllocator())
+    planner.observe(np.array([[[32, 0.005 + 0.0005 * 32, 0.0]] * 4, [[32, 0.006 + 0.0012 * 32, 0.0]] * 4]))
+    path.write_text(json.dumps({**now, "ranks": [{"device": "v100"}, {"device": "t4", "corunner": "video"}]}))
+    upcoming = adv.before_decision(0, 2, planner.allocator, [0.0, 0.0])
+    planner.replan()
+    assert planner.allocator.dqn.correction.corrections == 1  # the t4's line was scaled for the video job
+    decision, new = adv.relocate(upcoming, planner, steps_per_epoch=10, epochs_left=5, data=[0.0, 0.0])
+    assert decision.moves == [(1, 0)] and new
+    assert adv.relocate(upcoming, planner, 10, 5, [0.0, 0.0])[1] is False  # the same moves: not new again
+    assert adv.placement.corunners == [None, "video"]
+    path.write_text("{half a json")  # a manager caught mid-write: skipped with a warning, training goes on
+    with pytest.warns(RuntimeWarning, match="skipped this epoch"):
+        assert adv.before_decision(1, 2, planner.allocator, [0.0, 0.0]) is None
+    assert adv.relocate(None, planner, 10, 5, [0.0, 0.0]) is None
+    with pytest.raises(ValueError, match="`relocation`=3"):
+        ClusterAdvisor(str(path), relocation=3)

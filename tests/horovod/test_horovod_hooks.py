@@ -36,3 +36,17 @@ def test_lightning_strategy(horovodrun, tmp_path):
     assert res["checked_steps"] >= 40 and res["checked_steps_accumulation"] >= 10
     assert max(res["max_diff"], res["max_diff_resumed"], res["max_diff_accumulation"]) < 1e-9
     assert res["resumed_plan"] == res["plans"][-1]
+
+
+def test_plain_script_cluster_context_and_relocation_spec(horovodrun, tmp_path):
+    horovodrun(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "cluster_check.py"),
+                str(tmp_path)], timeout=150)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    hist = res[0]["plan_history"]
+    assert hist == res[1]["plan_history"]  # every rank adopted rank 0's decision and its record
+    assert hist[0]["batch_sizes"] == [16, 16] and 11 <= hist[0]["next_batch_sizes"][1] <= 14, hist[0]
+    assert hist[0]["relocation"]["moves"] == [[1, 0]] and hist[0]["relocation"]["spec"]
+    spec = json.loads((tmp_path / "restart.json").read_text())
+    assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}]
+    # A bad description stops every rank with the same error (no rank left waiting in a collective).
+    assert res[0]["error"] == res[1]["error"] and "one entry per rank (2)" in res[0]["error"]

@@ -1,0 +1,129 @@
+"""Rank 0's stage-2 work at an epoch boundary, shared by the Lightning and Horovod integrations.
+
+:class:`ClusterAdvisor` reads the cluster description (:mod:`hetero_plugins.cluster`), hands an allocator with
+``set_context`` the co-runner changes and data times before it decides, and asks a
+:class:`~hetero_plugins.scheduler.relocation.Relocator` whether moving ranks to free slots pays. It holds no
+collective: the integration runs it on rank 0 and broadcasts what it decides (one rank decides, all adopt).
+
+Example::
+
+    >>> import numpy as np
+    >>> adv = ClusterAdvisor(lambda e: {"ranks": [{"device": "v100"}, {"device": "t4", "corunner": "video" if e else None}]})
+    >>> adv.start(0, 2)
+    >>> upcoming = adv.before_decision(0, 2, allocator=None, data=[0.0, 0.0])
+    >>> upcoming.corunners
+    [None, 'video']
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins.cluster import ClusterSource, ClusterView, read_cluster
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClusterAdvisor", "data_times"]
+
+
+def data_times(records: np.ndarray) -> list[float]:
+    """Each rank's mean data seconds per step from step records ``(world, steps, 3)`` (steps with samples only)."""
+    out = []
+    for r in range(records.shape[0]):
+        rows = records[r, records[r, :, 0] > 0, 2]
+        out.append(float(rows.mean()) if rows.size else 0.0)
+    return out
+
+
+class ClusterAdvisor:
+    """Cluster context and relocation decisions for one training job (call on rank 0 only).
+
+    Args:
+        source: the cluster description: a JSON file path (re-read at every call) or a callable ``epoch -> dict``.
+        relocation: ``True`` (a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False``
+            (never relocate) or a ``Relocator``.
+
+    Attributes:
+        placement: the placement in force during the current epoch (``None`` before :meth:`start`).
+    """
+
+    def __init__(self, source: ClusterSource, relocation: bool | Any = True) -> None:
+        if not (isinstance(relocation, bool) or hasattr(relocation, "propose")):
+            raise ValueError(f"`relocation`={relocation!r} is not usable. HINT: pass True (default Relocator), False, "
+                             "or a hetero_plugins.scheduler.relocation.Relocator.")
+        self.source = source
+        self.relocation = relocation
+        self.placement: ClusterView | None = None
+        self._relocator: Any = None
+        self._last_moves: list[tuple[int, int]] | None = None
+        self._warned: set[str] = set()
+
+    def start(self, epoch: int, world_size: int) -> None:
+        """Read the placement of ``epoch`` (the first of this run); raises ``ValueError`` on a bad description."""
+        self.placement = read_cluster(self.source, epoch, world_size)
+
+    def before_decision(self, epoch: int, world_size: int, allocator: Any, data: Sequence[float]) -> ClusterView | None:
+        """At the end of ``epoch``: read the next epoch's placement and give ``allocator`` what changes.
+
+        Returns the upcoming placement (``None`` if the description cannot be read now: a warning says why, and
+        the decision goes ahead without context).
+        """
+        try:
+            upcoming = read_cluster(self.source, epoch + 1, world_size)
+        except ValueError as err:  # e.g. a manager caught mid-write
+            key = str(err)
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(f"hetero_plugins: cluster description skipped this epoch: {err}", RuntimeWarning,
+                              stacklevel=2)
+            return None
+        measured = self.placement or upcoming
+        set_context = getattr(allocator, "set_context", None)
+        if set_context is not None:
+            set_context(data=list(data), devices=upcoming.devices, corunners=measured.corunners,
+                        next_corunners=upcoming.corunners, workload=upcoming.workload)
+        return upcoming
+
+    def relocate(self, upcoming: ClusterView | None, planner: Any, steps_per_epoch: int, epochs_left: int,
+                 data: Sequence[float]) -> tuple[Any, bool] | None:
+        """After the decision: would moving ranks to the free slots pay? Adopts ``upcoming`` as the placement.
+
+        Returns ``None`` when there is nothing to decide (no description, no free slot, relocation off, a rank
+        without a time model), else ``(decision, new)``: the
+        :class:`~hetero_plugins.scheduler.relocation.Relocation` and whether its moves differ from the last ones
+        (so a spec is written and announced once per change).
+        """
+        measured, self.placement = self.placement, upcoming or self.placement
+        if upcoming is None or not upcoming.free_slots or self.relocation is False:
+            return None
+        params = planner.model_params()
+        if any(p is None for p in params):
+            return None
+        if self._relocator is None:
+            from hetero_plugins.scheduler.relocation import Relocator
+
+            self._relocator = Relocator() if self.relocation is True else self.relocation
+        decision = self._relocator.propose(
+            devices=upcoming.devices, corunners=(measured or upcoming).corunners, next_corunners=upcoming.corunners,
+            lines=[(p.intercept, p.slope) for p in params], free_slots=upcoming.free_slots,
+            global_batch=planner.global_batch, steps_per_epoch=int(steps_per_epoch), epochs_left=int(epochs_left),
+            data=list(data), workload=upcoming.workload)
+        new = bool(decision.moves) and decision.moves != self._last_moves
+        self._last_moves = decision.moves
+        return decision, new
+
+    @staticmethod
+    def places(view: ClusterView) -> list[dict[str, Any]]:
+        """Each rank's place as described (device and co-runner at least)."""
+        return view.places or [{"device": d, "corunner": c} for d, c in zip(view.devices, view.corunners)]
+
+    @staticmethod
+    def info(epoch: int, decision: Any) -> dict[str, Any]:
+        """The ``relocation`` record of a plan-history entry."""
+        return {"epoch": epoch, "moves": [list(m) for m in decision.moves], "predicted_gain": decision.predicted_gain,
+                "saved_seconds": decision.saved_seconds, "spec": None, "checkpoint": None}
