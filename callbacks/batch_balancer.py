@@ -356,10 +356,12 @@ class BatchBalancer(Callback):
         self._epoch_parts, self._cursor = [], 0
         # Rank 0 decides (it alone may hold the cluster context): every rank adopts its plan and its record of it.
         decided = strategy.broadcast({"plan": list(planner.plan), "predicted_gain": entry.get("predicted_gain"),
-                                      "plan_changed": entry.get("plan_changed")}, src=0)
+                                      "plan_changed": entry.get("plan_changed"),
+                                      "predicted_step_time": planner.predicted_step_time}, src=0)
         planner.plan = [int(b) for b in decided["plan"]]
         entry["next_batch_sizes"] = list(planner.plan)
         entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
+        planner.predicted_step_time = decided["predicted_step_time"]
         if self.cluster is not None:
             entry["relocation"] = strategy.broadcast(self._relocate(trainer, planner, gathered, upcoming), src=0)
             if entry["relocation"] and entry["relocation"].get("checkpoint"):

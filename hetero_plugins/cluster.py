@@ -15,7 +15,14 @@ Both describe the placement *for* an epoch, in the scenario schema's shape (docs
      "free_slots": [{"device": "v100", "corunner": null, "host": "node1", "index": 3}]}
 
 ``host`` and ``index`` (the accelerator's index on its node) are optional; they tell a relocation restart
-where a moved rank runs (:mod:`hetero_plugins.scheduler.relocation`).
+where a moved rank runs (:mod:`hetero_plugins.scheduler.relocation`). Where ranks are renumbered behind the
+manager's back (elastic Horovod), describe slots by host instead and let the job find its ranks in them::
+
+    {"slots": [{"host": "n1", "device": "v100", "corunner": null}, {"host": "n2", "device": "t4", "corunner": null},
+               {"host": "n3", "device": "v100", "corunner": null}]}
+
+Each rank takes the first slot of its host; the slots no rank took are the free ones. The plain-script
+Horovod sampler supports this form (it knows each rank's ``HOROVOD_HOSTNAME``).
 
 Example::
 
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -92,13 +99,22 @@ def _place(where: str, entry: Any) -> dict[str, Any]:
     return out
 
 
-def parse_cluster(spec: Mapping[str, Any], world_size: int) -> ClusterView:
-    """Validate a cluster description for ``world_size`` ranks; errors name the field, the value and the fix."""
+def parse_cluster(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str] | None = None) -> ClusterView:
+    """Validate a cluster description for ``world_size`` ranks; errors name the field, the value and the fix.
+
+    ``hosts`` (each rank's host, in rank order) resolves the ``slots`` form: each rank takes the first slot of
+    its host not taken by a lower rank, and the slots left over are the free ones.
+    """
     if not isinstance(spec, Mapping):
         raise ValueError(f"a cluster description must be a JSON object, got {type(spec).__name__}. HINT: {_HINT}")
-    unknown = set(spec) - {"workload", "ranks", "free_slots"}
+    unknown = set(spec) - {"workload", "ranks", "free_slots", "slots"}
     if unknown:
         raise _bad(sorted(unknown)[0], spec[sorted(unknown)[0]], f"remove it; {_HINT}")
+    if "slots" in spec:
+        if "ranks" in spec or "free_slots" in spec:
+            raise _bad("slots", spec["slots"], 'give either "slots" (every slot with its "host") or "ranks" and '
+                       '"free_slots", not both.')
+        spec = _assign_slots(spec, world_size, hosts)
     ranks = spec.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != world_size:
         raise _bad("ranks", ranks, f"give one entry per rank ({world_size}); {_HINT}")
@@ -113,6 +129,31 @@ def parse_cluster(spec: Mapping[str, Any], world_size: int) -> ClusterView:
                        [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload, places)
 
 
+def _assign_slots(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str] | None) -> dict[str, Any]:
+    """The ``slots`` form as ``ranks`` + ``free_slots``, given each rank's host."""
+    slots = spec["slots"]
+    if not isinstance(slots, list):
+        raise _bad("slots", slots, 'use a list of {"host": name, "device": name, "corunner": null or a name}.')
+    places = [_place(f"slots[{k}]", s) for k, s in enumerate(slots)]
+    for k, p in enumerate(places):
+        if "host" not in p:
+            raise _bad(f"slots[{k}].host", None, "name the slot's host: the slots form places ranks by host.")
+    if hosts is None or len(hosts) != world_size:
+        raise ValueError('the cluster description uses "slots", which needs each rank\'s host, and this integration '
+                         'does not know them. HINT: list "ranks" in rank order (and "free_slots") instead.')
+    taken: set[int] = set()
+    ranks = []
+    for r, host in enumerate(hosts):
+        k = next((k for k, p in enumerate(places) if p["host"] == host and k not in taken), None)
+        if k is None:
+            raise _bad("slots", [p["host"] for p in places], f"rank {r} runs on {host!r}, which has no free slot "
+                       "left in the description; list one slot per rank on each host.")
+        taken.add(k)
+        ranks.append(places[k])
+    return {"workload": spec.get("workload", "training"), "ranks": ranks,
+            "free_slots": [p for k, p in enumerate(places) if k not in taken]}
+
+
 def resolve_cluster_source(cluster: ClusterSource | None) -> ClusterSource | None:
     """``cluster`` as given, else the file named by ``HETERO_PLUGINS_CLUSTER``, else ``None``."""
     if cluster is not None:
@@ -124,8 +165,9 @@ def resolve_cluster_source(cluster: ClusterSource | None) -> ClusterSource | Non
     return env or None
 
 
-def read_cluster(source: ClusterSource, epoch: int, world_size: int) -> ClusterView:
-    """The placement for ``epoch`` from a file (read now) or a callable (called with ``epoch``)."""
+def read_cluster(source: ClusterSource, epoch: int, world_size: int, hosts: Sequence[str] | None = None) -> ClusterView:
+    """The placement for ``epoch`` from a file (read now) or a callable (called with ``epoch``); ``hosts``: each
+    rank's host, for the ``slots`` form."""
     if callable(source):
         spec = source(epoch)
         origin = f"cluster({epoch})"
@@ -141,6 +183,6 @@ def read_cluster(source: ClusterSource, epoch: int, world_size: int) -> ClusterV
                              "a manager should write the file atomically (write a temporary file, then rename).") from err
         origin = str(path)
     try:
-        return parse_cluster(spec, world_size)
+        return parse_cluster(spec, world_size, hosts)
     except ValueError as err:
         raise ValueError(f"{origin}: {err}") from None

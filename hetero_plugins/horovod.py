@@ -144,6 +144,10 @@ class HorovodExchange:
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         return _hvd().broadcast_object(obj, root_rank=root, name=name)
 
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        return list(_hvd().allgather_object(obj, name=name))
+
 
 class MPIExchange:
     """The same collectives through ``mpi4py`` (for ``mpirun`` launches, where Horovod runs on MPI)."""
@@ -166,6 +170,9 @@ class MPIExchange:
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
         return self.comm.bcast(obj, root=root)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        return list(self.comm.allgather(obj))
 
 
 def get_exchange(kind: str = "auto") -> HorovodExchange | MPIExchange:
@@ -344,6 +351,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
             the gain, and recorded in ``plan_history`` as ``relocation``; restarting the job on the new
             placement is left to the launcher.
         restart_spec: path of the restart spec (default ``hetero_restart.json`` in the working directory).
+        hosts_file: for elastic Horovod: the file the job's ``--host-discovery-script`` prints (``host:slots``
+            lines). Rank 0 applies a relocation whose slots name their ``host`` by rewriting it: one slot
+            fewer on the moved rank's host, one more on the free slot's. Horovod then stops the worker on the
+            old host and starts one on the new; after the reset each rank's time model follows its host, and
+            the new worker starts from the NCF-predicted line of its slot (from the restart spec).
 
     Attributes:
         planner: the :class:`~hetero_plugins.planner.BalancePlanner` (identical on every rank).
@@ -373,6 +385,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         cluster: ClusterSource | None = None,
         relocation: bool | Any = True,
         restart_spec: str | os.PathLike[str] | None = None,
+        hosts_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.local_batch_size = check_int("batch_size", batch_size, minimum=1, hint="the per-rank batch size at the start")
@@ -409,15 +422,20 @@ class HeteroBatchSampler(Sampler[list[int]]):
         advisor = ClusterAdvisor(source or "", relocation)  # validates `relocation` in any case
         self._advisor = advisor if source is not None else None
         self.restart_spec = str(restart_spec or "hetero_restart.json")
+        self.hosts_file = None if hosts_file is None else str(hosts_file)
+        self._hosts: list[str] | None = None  # each rank's slot ("host[local rank]") at the last boundary
         if self._advisor is not None:
             # Rank 0 reads the description; every rank learns its verdict, so a bad one stops them all alike.
+            # Not in an elastic job: a worker that joins later builds its sampler alone, so no collective here
+            # (rank 0 validates, and its error ends the job).
             problem = None
             if self.exchange.rank() == 0:
                 try:
                     self._advisor.start(0, world)
                 except ValueError as err:
                     problem = str(err)
-            problem = self.exchange.broadcast_object(problem, name="hetero_plugins.cluster")
+            if os.environ.get("HOROVOD_ELASTIC") != "1":
+                problem = self.exchange.broadcast_object(problem, name="hetero_plugins.cluster")
             if problem:
                 raise ValueError(problem)
         _register_elastic_handler()
@@ -463,6 +481,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         """
         epoch = check_int("epoch", epoch, minimum=0)
         self._reconcile_world()
+        self._reconcile_hosts()
         started = self._steps_done > 0 or self._order is not None
         if epoch == self._epoch and started and not self._exhausted:
             return  # resuming the interrupted epoch (elastic reset): its plan and progress stay
@@ -538,6 +557,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
             "planner": self.planner.state_dict(),
             "num_samples": self.num_samples,
             "global_batch": self.global_batch,
+            "hosts": self._hosts,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -557,6 +577,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._steps_done = int(state["steps_done"])
         self._order = None if state["order"] is None else np.asarray(state["order"], dtype=np.int64)
         self._seg_plan = tuple(int(b) for b in state["seg_plan"])
+        self._hosts = state.get("hosts")
         self._cache = None
         self._exhausted = False
         self._open = False
@@ -649,17 +670,20 @@ class HeteroBatchSampler(Sampler[list[int]]):
         mine = records[-steps:]  # equal on all ranks; the tail if a rank saw more
         gathered = self.exchange.allgather(mine, name="hetero_plugins.records").reshape(world, steps, 3)
         lead = self.exchange.rank() == 0 and self._advisor is not None
-        upcoming = (self._advisor.before_decision(self._epoch, world, self.planner.allocator, data_times(gathered))  # type: ignore[union-attr]
-                    if lead else None)
+        hosts = None if self._hosts is None else [k.rsplit("[", 1)[0] for k in self._hosts]
+        upcoming = (self._advisor.before_decision(self._epoch, world, self.planner.allocator,  # type: ignore[union-attr]
+                                                  data_times(gathered), hosts) if lead else None)
         entry = self.planner.end_epoch(self._epoch, gathered, epoch_time=float(headers[:, 1].max()))
         relocation = self._relocate(upcoming, gathered) if lead else None
         # Rank 0 decides (it alone may hold the cluster context): every rank adopts its plan and its record.
         decided = self.exchange.broadcast_object(
             {"plan": list(self.planner.plan), "predicted_gain": entry.get("predicted_gain"),
-             "plan_changed": entry.get("plan_changed"), "relocation": relocation}, name="hetero_plugins.plan")
+             "plan_changed": entry.get("plan_changed"),
+             "predicted_step_time": self.planner.predicted_step_time, "relocation": relocation}, name="hetero_plugins.plan")
         self.planner.plan = [int(b) for b in decided["plan"]]
         entry["next_batch_sizes"] = list(self.planner.plan)
         entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
+        self.planner.predicted_step_time = decided["predicted_step_time"]
         if self._advisor is not None:
             entry["relocation"] = decided["relocation"]
         if self.exchange.rank() == 0:
@@ -676,16 +700,96 @@ class HeteroBatchSampler(Sampler[list[int]]):
         if new:
             from hetero_plugins.scheduler.relocation import write_relocation_spec
 
-            info["spec"] = str(write_relocation_spec(self.restart_spec, decision, ClusterAdvisor.places(upcoming),
-                                                     upcoming.free_slots, epoch=self._epoch + 1))
-            log.warning("HeteroBatchSampler: relocation %s predicted %.1f%% faster; spec %s", decision.moves,
-                        100 * decision.predicted_gain, info["spec"])
+            places = ClusterAdvisor.places(upcoming)
+            moves = [(places[r].get("host"), upcoming.free_slots[k].get("host")) for r, k in decision.moves]
+            apply = self.hosts_file is not None and all(a and b for a, b in moves)
+            info["spec"] = str(write_relocation_spec(
+                self.restart_spec, decision, places, upcoming.free_slots, epoch=self._epoch + 1,
+                extra={"hosts_file": self.hosts_file} if apply else None))
+            if apply:
+                move_host_slots(self.hosts_file, moves)  # type: ignore[arg-type]
+                info["applied"] = "hosts_file"
+            log.warning("HeteroBatchSampler: relocation %s predicted %.1f%% faster; spec %s%s", decision.moves,
+                        100 * decision.predicted_gain, info["spec"],
+                        f"; {self.hosts_file} rewritten, Horovod will reset onto the new hosts" if apply else "")
         return info
+
+    def _reconcile_hosts(self) -> None:
+        """With a cluster description: follow each rank's slot across elastic resets (collective).
+
+        Ranks are renumbered when Horovod replaces a worker (a relocation through ``hosts_file``, a lost
+        host). Time models belong to slots, so after a reset each rank takes the model of its slot; a slot
+        with no model (the new worker of a relocation) starts from the restart spec's predicted line for its
+        host, and the unprocessed samples of the epoch in progress are re-split under a new plan.
+        """
+        if self._advisor is None:
+            return
+        me = f"{os.environ.get('HOROVOD_HOSTNAME') or socket.gethostname()}[{os.environ.get('HOROVOD_LOCAL_RANK', '0')}]"
+        hosts = self.exchange.allgather_object(me, name="hetero_plugins.hosts")
+        before, self._hosts = self._hosts, hosts
+        if before is None or before == hosts or len(before) != len(hosts) or len(hosts) != self.planner.world_size:
+            return
+        predicted = None
+        if self.exchange.rank() == 0:
+            from hetero_plugins.scheduler.relocation import read_relocation_spec
+
+            spec = read_relocation_spec(self.restart_spec) or {}
+            predicted = {r.get("host"): r.get("line") for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
+        predicted = self.exchange.broadcast_object(predicted, name="hetero_plugins.predicted")
+        from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+
+        old = dict(zip(before, self.planner.models))
+        models = []
+        for i, key in enumerate(hosts):
+            if key in old:
+                models.append(old[key])
+                continue
+            line = predicted.get(key.rsplit("[", 1)[0])
+            base = self.planner.models[i]
+            models.append(LinearTimeModel.from_params(TimeModelParams(*line), max(1, self.planner.plan[i]),
+                                                      half_life=base.half_life) if line else LinearTimeModel(half_life=base.half_life))
+        self.planner.models = models
+        self.planner.replan()
+        self.planner.plan = [int(b) for b in self.exchange.broadcast_object(
+            list(self.planner.plan), name="hetero_plugins.replan")]
+        log.info("HeteroBatchSampler: slots %s -> %s; plan %s", before, hosts, self.planner.plan)
+        if self._steps_done > 0 or self._order is not None:
+            _, shards, layout = self._segment()
+            self.timer.pop_records()
+            self._start_segment(unprocessed_indices(shards, layout, min(self._steps_done, layout.steps)))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def move_host_slots(path: str, moves: Sequence[tuple[str, str]]) -> None:
+    """Rewrite a host-discovery file (``host:slots`` lines): one slot fewer on each ``from`` host, one more on
+    each ``to`` host (appended if new); hosts left with no slot are dropped. Replaced atomically."""
+    order: list[str] = []
+    slots: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            host, _, n = line.partition(":")
+            if host not in slots:
+                order.append(host)
+                slots[host] = 0
+            slots[host] += int(n or 1)
+    for src, dst in moves:
+        if slots.get(src, 0) > 0:
+            slots[src] -= 1
+        if dst not in slots:
+            order.append(dst)
+            slots[dst] = 0
+        slots[dst] += 1
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(f"{h}:{slots[h]}\n" for h in order if slots[h] > 0))
+    os.replace(tmp, path)
 
 
 _ELASTIC_REGISTERED = False

@@ -105,6 +105,18 @@ class BalancePlanner:
             )
         return plan
 
+    @property
+    def predicted_step_time(self) -> float | None:
+        """The predicted step time of the current plan (``None`` before the first decision).
+
+        An integration where one rank decides sets it on the others with the plan, so every rank's
+        ``predicted_epoch_time`` in the history is the deciding rank's."""
+        return self._predicted_step_time
+
+    @predicted_step_time.setter
+    def predicted_step_time(self, value: float | None) -> None:
+        self._predicted_step_time = None if value is None else float(value)
+
     def model_params(self) -> list[Any]:
         return [m.params() for m in self.models]
 

@@ -63,18 +63,27 @@ class ClusterAdvisor:
         self._last_moves: list[tuple[int, int]] | None = None
         self._warned: set[str] = set()
 
-    def start(self, epoch: int, world_size: int) -> None:
-        """Read the placement of ``epoch`` (the first of this run); raises ``ValueError`` on a bad description."""
-        self.placement = read_cluster(self.source, epoch, world_size)
+    def start(self, epoch: int, world_size: int, hosts: Sequence[str] | None = None) -> None:
+        """Read the placement of ``epoch`` (the first of this run); raises ``ValueError`` on a bad description.
 
-    def before_decision(self, epoch: int, world_size: int, allocator: Any, data: Sequence[float]) -> ClusterView | None:
+        A ``slots`` description read before the ranks' hosts are known is checked at the first decision instead.
+        """
+        try:
+            self.placement = read_cluster(self.source, epoch, world_size, hosts)
+        except ValueError as err:
+            if hosts is None and "needs each rank's host" in str(err):
+                return
+            raise
+
+    def before_decision(self, epoch: int, world_size: int, allocator: Any, data: Sequence[float],
+                        hosts: Sequence[str] | None = None) -> ClusterView | None:
         """At the end of ``epoch``: read the next epoch's placement and give ``allocator`` what changes.
 
         Returns the upcoming placement (``None`` if the description cannot be read now: a warning says why, and
         the decision goes ahead without context).
         """
         try:
-            upcoming = read_cluster(self.source, epoch + 1, world_size)
+            upcoming = read_cluster(self.source, epoch + 1, world_size, hosts)
         except ValueError as err:  # e.g. a manager caught mid-write
             key = str(err)
             if key not in self._warned:

@@ -114,3 +114,42 @@ def test_resplit_twice_and_validation():
     assert len(first) == 40 and len(second) == 24 and not set(second) - set(first.tolist())
     with pytest.raises(ValueError, match="steps_done"):
         unprocessed_indices(shards, layout, layout.steps + 1)
+
+
+@pytest.mark.horovod
+def test_elastic_relocation_moves_the_slow_worker_to_the_idle_host(horovodrun, tmp_path):
+    """Stage 2 applied under elastic Horovod: the balancer rewrites the host-discovery file, Horovod replaces the
+    slow worker with one on the idle host, and the time models follow the slots."""
+    names = _local_names()
+    if len(names) < 3:
+        pytest.fail(f"the elastic test needs 3 distinct local host names, found {names}")
+    fast0, slow, free = names[:3]
+    (tmp_path / "hosts").write_text(f"{fast0}:1\n{slow}:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    discover.chmod(0o755)
+    horovodrun(
+        ["-np", "2", "--min-np", "2", "--max-np", "2", "--host-discovery-script", str(discover),
+         "--elastic-timeout", "60", "--gloo", sys.executable, str(SCRIPTS / "elastic_relocation_check.py"),
+         str(tmp_path), f"{fast0},{slow},{free}"],
+        timeout=240, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"},
+    )
+    assert (tmp_path / "hosts").read_text().split() == [f"{fast0}:1", f"{free}:1"]
+    spec = json.loads((tmp_path / "restart.json").read_text())  # Horovod numbers the ranks: either may be slow
+    assert len(spec["moves"]) == 1 and spec["moves"][0]["to_free_slot"] == 0
+    assert spec["ranks"][spec["moves"][0]["rank"]]["host"] == free
+    steps, done = [], []
+    for f in tmp_path.glob("log-*.jsonl"):
+        for line in f.read_text().splitlines():
+            d = json.loads(line)
+            (done if d.get("done") else steps).append(d)
+    for epoch in range(4):  # across the reset, every sample exactly once per epoch
+        idx = [i for d in steps if d["epoch"] == epoch for i in d["indices"]]
+        counts = collections.Counter(idx)
+        assert not [i for i, c in counts.items() if c > 1] and set(idx) == set(range(384)), f"epoch {epoch}"
+    assert any(d["host"] == free for d in steps) and not any(d["host"] == slow and d["epoch"] >= 2 for d in steps)
+    assert sorted(d["host"] for d in done) == sorted([fast0, free])
+    # Before the move the slow worker got less work; on the new host it is balanced from the first step after.
+    assert any(d["host"] == slow and d["plan"][d["rank"]] <= 12 for d in steps)
+    after = [d["plan"][d["rank"]] for d in steps if d["host"] == free]
+    assert after and all(abs(b - 16) <= 3 for b in after), after
