@@ -45,8 +45,9 @@ def test_plain_script_cluster_context_and_relocation_spec(horovodrun, tmp_path):
     hist = res[0]["plan_history"]
     assert hist == res[1]["plan_history"]  # every rank adopted rank 0's decision and its record
     assert hist[0]["batch_sizes"] == [16, 16] and 11 <= hist[0]["next_batch_sizes"][1] <= 14, hist[0]
-    assert hist[0]["relocation"]["moves"] == [[1, 0]] and hist[0]["relocation"]["spec"]
+    assert hist[0]["relocation"]["moves"] == [[1, 0]] and hist[0]["relocation"]["spec"], res[0]["lines"]
     spec = json.loads((tmp_path / "restart.json").read_text())
-    assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}]
+    assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}] and spec["epoch"] == 1  # not rewritten at epoch 2
+    assert hist[1]["relocation"]["moves"] == [[1, 0]] and hist[1]["relocation"]["spec"] is None
     # A bad description stops every rank with the same error (no rank left waiting in a collective).
     assert res[0]["error"] == res[1]["error"] and "one entry per rank (2)" in res[0]["error"]

@@ -37,7 +37,7 @@ def main(out_dir: str) -> None:
         strategy=HeteroHorovodStrategy(policy="auto", cluster=video_arrives_on_rank_1,
                                        relocation=Relocator(restart_cost=0.0), restart_spec=spec),
         accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=12, limit_val_batches=1,
-        callbacks=[HeterogeneityEmulator([1.0, 1.0], cost_per_sample=0.002)], logger=False,
+        callbacks=[HeterogeneityEmulator([1.0, 1.0], cost_per_sample=0.005)], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
         default_root_dir=out_dir,
     )
