@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.allocators import Bounds, get_allocator
+from hetero_plugins.allocators import Bounds, equal_finish_time, get_allocator
 from hetero_plugins.scheduler.commands import compare
 from hetero_plugins.scheduler.policy import equal_finish_plan
 from hetero_plugins.sim import ClusterSim, best_placement, decision_problems, load_scenario
@@ -176,9 +176,7 @@ def decision_latency(repeats: int = 15) -> dict[str, Any]:
 
 
 def _ef_time(slots: list[dict[str, Any]], gb: int) -> float:
-    c = np.array([s["intercept"] + s["data"] for s in slots])
-    b = np.array([s["slope"] for s in slots])
-    return float((gb + np.sum(c / b)) / np.sum(1.0 / b))
+    return equal_finish_time([s["intercept"] + s["data"] for s in slots], [s["slope"] for s in slots], gb)
 
 
 def relocation() -> dict[str, Any]:
@@ -215,25 +213,20 @@ def relocation() -> dict[str, Any]:
 def _oracle_time(p: Any) -> float:
     """True next-epoch makespan of the equal-finish split on the true lines (data included): the oracle's."""
     n = len(p.slope)
-    plan = equal_finish_plan(p.true_intercept + p.true_data, p.true_slope, p.global_batch, np.ones(n), p.max_batch)
-    return float(np.max(p.true_intercept + p.true_slope * plan + p.true_data))
+    return p.true_step_time(equal_finish_plan(p.true_intercept + p.true_data, p.true_slope, p.global_batch, np.ones(n),
+                                              p.max_batch))
 
 
 def _quality(net: Any, problems: list[Any]) -> dict[str, float]:
     """Held-out quality of a DQN on decision problems: mean oracle-time / plan-time (``vs_oracle``, <= 1) and the
     gap-normalised share of the equal split's gap to the oracle that the plan closes (``gap_closed``, <= 1)."""
-    from hetero_plugins.scheduler.dqn import assign
-    from hetero_plugins.scheduler.features import DecisionContext
+    from hetero_plugins.scheduler.pretrain import dqn_plan
 
     vs, gap = [], []
     for p in problems:
         n = len(p.slope)
-        ctx = DecisionContext(p.intercept, p.slope, p.global_batch, p.max_batch, prev_slope=p.prev_slope,
-                              utilisation=p.utilisation, data=p.data)
-        plan = np.asarray(assign(net, ctx, [1] * n), dtype=np.float64)
-        true = lambda x: float(np.max(p.true_intercept + p.true_slope * np.asarray(x, dtype=np.float64) + p.true_data))  # noqa: E731
-        t_o, t_p = _oracle_time(p), true(plan)
-        t_eq = true(np.full(n, p.global_batch / n))
+        t_o, t_p = _oracle_time(p), p.true_step_time(dqn_plan(net, p))
+        t_eq = p.true_step_time(np.full(n, p.global_batch / n))
         vs.append(t_o / t_p)
         gap.append((t_eq - t_p) / (t_eq - t_o) if t_eq > t_o else 1.0)
     return {"vs_oracle": float(np.mean(vs)), "gap_closed": float(np.mean(gap))}

@@ -149,9 +149,8 @@ class BatchBalancer(Callback):
             check_int("replan_every", replan_every, minimum=1, hint="use None to replan only at epoch ends")
         self.replan_every = replan_every
         self.cluster = resolve_cluster_source(cluster)
-        advisor = ClusterAdvisor(self.cluster or "", relocation)  # validates `relocation` in any case
-        self._advisor = advisor if self.cluster is not None else None
-        self.relocation = relocation
+        ClusterAdvisor.check_relocation(relocation)
+        self._advisor = ClusterAdvisor(self.cluster, relocation) if self.cluster is not None else None
         self.restart_spec = restart_spec
         self.apply_relocation = bool(apply_relocation)
         self._resumed_relocation: dict[str, Any] | None = None
@@ -347,7 +346,8 @@ class BatchBalancer(Callback):
         local = [float(cap)] + [float(stats.get(k, -1.0)) for k in ("cpu_percent", "gpu_util", "gpu_mem_used")]
         table = _gather(strategy, torch.tensor(local, dtype=torch.float64)).reshape(-1, 4).tolist()
         caps = [None if row[0] < 0 else int(row[0]) for row in table]
-        upcoming = self._set_cluster_context(trainer, planner, gathered)
+        data = data_times(gathered) if self._advisor is not None and trainer.is_global_zero else []
+        upcoming = self._set_cluster_context(trainer, planner, data)
         entry = planner.end_epoch(
             trainer.current_epoch, gathered, epoch_time=float(elapsed_all.max()), memory_caps=caps,
             observed_steps=observed, start_plan=self._start_plan,
@@ -363,7 +363,8 @@ class BatchBalancer(Callback):
         entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
         planner.predicted_step_time = decided["predicted_step_time"]
         if self.cluster is not None:
-            entry["relocation"] = strategy.broadcast(self._relocate(trainer, planner, gathered, upcoming), src=0)
+            entry["relocation"] = strategy.broadcast(
+                self._relocate(trainer, planner, int(gathered.shape[1]), data, upcoming), src=0)
             if entry["relocation"] and entry["relocation"].get("checkpoint"):
                 self._restart_for_relocation(trainer, entry["relocation"])
         for col, key in ((1, "cpu_percent"), (2, "gpu_util"), (3, "gpu_mem_used")):
@@ -383,21 +384,19 @@ class BatchBalancer(Callback):
             )
 
     # ------------------------------------------------------------------ stage 2: cluster context, relocation
-    def _set_cluster_context(self, trainer: pl.Trainer, planner: BalancePlanner, gathered: np.ndarray) -> ClusterView | None:
+    def _set_cluster_context(self, trainer: pl.Trainer, planner: BalancePlanner, data: list[float]) -> ClusterView | None:
         """Rank 0: read the next epoch's placement and hand the allocator what changes (before it decides)."""
         if self._advisor is None or not trainer.is_global_zero:
             return None
-        return self._advisor.before_decision(trainer.current_epoch, trainer.world_size, planner.allocator,
-                                             data_times(gathered))
+        return self._advisor.before_decision(trainer.current_epoch, trainer.world_size, planner.allocator, data)
 
-    def _relocate(self, trainer: pl.Trainer, planner: BalancePlanner, gathered: np.ndarray,
+    def _relocate(self, trainer: pl.Trainer, planner: BalancePlanner, steps: int, data: list[float],
                   upcoming: ClusterView | None) -> dict[str, Any] | None:
         """Rank 0: would moving ranks to free slots pay for a restart? Write the restart spec if so."""
         if self._advisor is None or not trainer.is_global_zero:
             return None
         max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1 << 20
-        out = self._advisor.relocate(upcoming, planner, int(gathered.shape[1]), max_epochs - trainer.current_epoch - 1,
-                                     data_times(gathered))
+        out = self._advisor.relocate(upcoming, planner, steps, max_epochs - trainer.current_epoch - 1, data)
         if out is None:
             return None
         decision, new = out
@@ -408,7 +407,7 @@ class BatchBalancer(Callback):
             path = self.spec_path(trainer)
             extra: dict[str, Any] = {}
             elastic = torchelastic_restarts()
-            places = self._advisor.places(upcoming)
+            places = upcoming.places
             same_host = all(places[r].get("host") is None or upcoming.free_slots[k].get("host") is None
                             or places[r]["host"] == upcoming.free_slots[k]["host"] for r, k in decision.moves)
             restarts_left = elastic is not None and elastic[1] < elastic[2]
@@ -457,15 +456,11 @@ class BatchBalancer(Callback):
 
     def _adopt_relocation(self, trainer: pl.Trainer, planner: BalancePlanner, spec: dict[str, Any]) -> None:
         """After a relocation restart: moved ranks start from their slot's predicted line; plan again."""
-        from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
-
         moved = {int(m["rank"]) for m in spec.get("moves", [])}
         for entry in spec.get("ranks", []):
             r = int(entry["rank"])
             if r in moved and r < planner.world_size and entry.get("line"):
-                a, b = (float(x) for x in entry["line"])
-                planner.models[r] = LinearTimeModel.from_params(TimeModelParams(a, b), max(1, planner.plan[r]),
-                                                                half_life=planner.models[r].half_life)
+                planner.seed_model(r, entry["line"])
         planner.replan()
         plan = trainer.strategy.broadcast(list(planner.plan), src=0)
         planner.plan = [int(b) for b in plan]

@@ -31,6 +31,7 @@ __all__ = [
     "Allocator",
     "Bounds",
     "EqualFinishAllocator",
+    "equal_finish_time",
     "LBBAllocator",
     "ProportionalAllocator",
     "StaticAllocator",
@@ -231,6 +232,22 @@ class ProportionalAllocator(Allocator):
         ref = global_batch / bounds.world_size
         speed = [ref / max(m.predict(ref), 1e-12) for m in fitted]
         return largest_remainder(_clamped_proportional(speed, global_batch, bounds), global_batch, bounds)
+
+
+def equal_finish_time(fixed: Sequence[float] | np.ndarray, slope: Sequence[float] | np.ndarray, global_batch: int) -> float:
+    """The unclamped continuous equal-finish step time ``(B + sum c_i / s_i) / sum 1 / s_i``.
+
+    Every rank's time ``c_i + s_i b_i`` equals it when the ``b_i`` sum to ``global_batch`` (``c``: fixed seconds
+    per step, data time included where it counts; ``s``: seconds per sample). Placements are compared by it.
+
+    Example::
+
+        >>> round(equal_finish_time([0.0, 0.0], [0.001, 0.003], 400), 9)  # 300 and 100 samples
+        0.3
+    """
+    c = np.asarray(fixed, dtype=np.float64)
+    s = np.asarray(slope, dtype=np.float64)
+    return float((global_batch + np.sum(c / s)) / np.sum(1.0 / s))
 
 
 def equal_finish_continuous(models: Sequence[TimeModelParams], global_batch: int, bounds: Bounds) -> list[float]:

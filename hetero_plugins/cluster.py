@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["CLUSTER_ENV", "ClusterSource", "ClusterView", "parse_cluster", "read_cluster", "resolve_cluster_source"]
+__all__ = ["CLUSTER_ENV", "ClusterSource", "ClusterView", "HostsUnknown", "parse_cluster", "read_cluster",
+           "resolve_cluster_source"]
 
 #: Environment variable naming a cluster file when ``cluster=`` is not given.
 CLUSTER_ENV = "HETERO_PLUGINS_CLUSTER"
@@ -56,18 +57,28 @@ class ClusterView:
     """The placement of one epoch.
 
     Attributes:
-        devices: each rank's device type (the NCF's item, e.g. ``"v100"``).
-        corunners: the job placed beside each rank (``None``: dedicated).
-        free_slots: idle places, each ``{"device", "corunner", "data"}``.
+        places: each rank's place (``device``, ``corunner``, ``data``, optional ``host``/``index``).
+        free_slots: idle places, in the same form.
         workload: this job's workload type (the NCF's user).
-        places: each rank's place as given (``device``, ``corunner``, ``data``, optional ``host``/``index``).
     """
 
-    devices: list[str]
-    corunners: list[str | None]
+    places: list[dict[str, Any]]
     free_slots: list[dict[str, Any]] = field(default_factory=list)
     workload: str = "training"
-    places: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def devices(self) -> list[str]:
+        """Each rank's device type (the NCF's item, e.g. ``"v100"``)."""
+        return [p["device"] for p in self.places]
+
+    @property
+    def corunners(self) -> list[str | None]:
+        """The job placed beside each rank (``None``: dedicated)."""
+        return [p["corunner"] for p in self.places]
+
+
+class HostsUnknown(ValueError):
+    """A ``slots`` description was read without each rank's host, which it needs to place the ranks."""
 
 
 def _bad(where: str, value: Any, fix: str) -> ValueError:
@@ -125,8 +136,7 @@ def parse_cluster(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str]
     workload = spec.get("workload", "training")
     if not isinstance(workload, str) or not workload:
         raise _bad("workload", workload, 'use the job\'s workload type, e.g. "training".')
-    return ClusterView([p["device"] for p in places], [p["corunner"] for p in places],
-                       [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload, places)
+    return ClusterView(places, [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload)
 
 
 def _assign_slots(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str] | None) -> dict[str, Any]:
@@ -139,8 +149,8 @@ def _assign_slots(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str]
         if "host" not in p:
             raise _bad(f"slots[{k}].host", None, "name the slot's host: the slots form places ranks by host.")
     if hosts is None or len(hosts) != world_size:
-        raise ValueError('the cluster description uses "slots", which needs each rank\'s host, and this integration '
-                         'does not know them. HINT: list "ranks" in rank order (and "free_slots") instead.')
+        raise HostsUnknown('the cluster description uses "slots", which needs each rank\'s host, and this integration '
+                           'does not know them. HINT: list "ranks" in rank order (and "free_slots") instead.')
     taken: set[int] = set()
     ranks = []
     for r, host in enumerate(hosts):
@@ -185,4 +195,4 @@ def read_cluster(source: ClusterSource, epoch: int, world_size: int, hosts: Sequ
     try:
         return parse_cluster(spec, world_size, hosts)
     except ValueError as err:
-        raise ValueError(f"{origin}: {err}") from None
+        raise type(err)(f"{origin}: {err}") from None

@@ -419,8 +419,8 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
         source = resolve_cluster_source(cluster)
-        advisor = ClusterAdvisor(source or "", relocation)  # validates `relocation` in any case
-        self._advisor = advisor if source is not None else None
+        ClusterAdvisor.check_relocation(relocation)
+        self._advisor = ClusterAdvisor(source, relocation) if source is not None else None
         self.restart_spec = str(restart_spec or "hetero_restart.json")
         self.hosts_file = None if hosts_file is None else str(hosts_file)
         self._hosts: list[str] | None = None  # each rank's slot ("host[local rank]") at the last boundary
@@ -671,10 +671,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
         gathered = self.exchange.allgather(mine, name="hetero_plugins.records").reshape(world, steps, 3)
         lead = self.exchange.rank() == 0 and self._advisor is not None
         hosts = None if self._hosts is None else [k.rsplit("[", 1)[0] for k in self._hosts]
+        data = data_times(gathered) if lead else []
         upcoming = (self._advisor.before_decision(self._epoch, world, self.planner.allocator,  # type: ignore[union-attr]
-                                                  data_times(gathered), hosts) if lead else None)
+                                                  data, hosts) if lead else None)
         entry = self.planner.end_epoch(self._epoch, gathered, epoch_time=float(headers[:, 1].max()))
-        relocation = self._relocate(upcoming, gathered) if lead else None
+        relocation = self._relocate(upcoming, steps, data) if lead else None
         # Rank 0 decides (it alone may hold the cluster context): every rank adopts its plan and its record.
         decided = self.exchange.broadcast_object(
             {"plan": list(self.planner.plan), "predicted_gain": entry.get("predicted_gain"),
@@ -690,9 +691,9 @@ class HeteroBatchSampler(Sampler[list[int]]):
             log.info("HeteroBatchSampler: epoch %d batch sizes %s straggler level %.3f; next %s",
                      entry["epoch"], entry["batch_sizes"], entry["straggler_level"], entry["next_batch_sizes"])
 
-    def _relocate(self, upcoming: Any, gathered: np.ndarray) -> dict[str, Any] | None:
+    def _relocate(self, upcoming: Any, steps: int, data: list[float]) -> dict[str, Any] | None:
         """Rank 0: would moving ranks to free slots pay for a restart? Write the restart spec if so."""
-        out = self._advisor.relocate(upcoming, self.planner, gathered.shape[1], 1 << 20, data_times(gathered))  # type: ignore[union-attr]
+        out = self._advisor.relocate(upcoming, self.planner, steps, 1 << 20, data)  # type: ignore[union-attr]
         if out is None:
             return None
         decision, new = out
@@ -700,7 +701,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         if new:
             from hetero_plugins.scheduler.relocation import write_relocation_spec
 
-            places = ClusterAdvisor.places(upcoming)
+            places = upcoming.places
             moves = [(places[r].get("host"), upcoming.free_slots[k].get("host")) for r, k in decision.moves]
             apply = self.hosts_file is not None and all(a and b for a, b in moves)
             info["spec"] = str(write_relocation_spec(
@@ -736,19 +737,15 @@ class HeteroBatchSampler(Sampler[list[int]]):
             spec = read_relocation_spec(self.restart_spec) or {}
             predicted = {r.get("host"): r.get("line") for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
         predicted = self.exchange.broadcast_object(predicted, name="hetero_plugins.predicted")
-        from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+        from hetero_plugins.time_model import LinearTimeModel
 
         old = dict(zip(before, self.planner.models))
-        models = []
+        fresh = [LinearTimeModel(half_life=m.half_life) for m in self.planner.models]
+        self.planner.models = [old.get(key, fresh[i]) for i, key in enumerate(hosts)]
         for i, key in enumerate(hosts):
-            if key in old:
-                models.append(old[key])
-                continue
-            line = predicted.get(key.rsplit("[", 1)[0])
-            base = self.planner.models[i]
-            models.append(LinearTimeModel.from_params(TimeModelParams(*line), max(1, self.planner.plan[i]),
-                                                      half_life=base.half_life) if line else LinearTimeModel(half_life=base.half_life))
-        self.planner.models = models
+            line = None if key in old else predicted.get(key.rsplit("[", 1)[0])
+            if line:
+                self.planner.seed_model(i, line)
         self.planner.replan()
         self.planner.plan = [int(b) for b in self.exchange.broadcast_object(
             list(self.planner.plan), name="hetero_plugins.replan")]

@@ -22,7 +22,7 @@ import numpy as np
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.allocators import Allocator, Bounds, get_allocator, largest_remainder
 from hetero_plugins.metrics import idle_fraction, straggler_level
-from hetero_plugins.time_model import LinearTimeModel
+from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,15 @@ class BalancePlanner:
     @predicted_step_time.setter
     def predicted_step_time(self, value: float | None) -> None:
         self._predicted_step_time = None if value is None else float(value)
+
+    def seed_model(self, rank: int, line: Sequence[float], batch_size: int | None = None) -> None:
+        """Start ``rank``'s time model from a predicted ``(intercept, slope)`` line: a rank with no history (a
+        new node, a relocated rank). Measured steps replace the prediction (see
+        :meth:`~hetero_plugins.time_model.LinearTimeModel.from_params`; ``batch_size`` defaults to the rank's
+        current batch)."""
+        size = self.plan[rank] if batch_size is None else batch_size
+        self.models[rank] = LinearTimeModel.from_params(TimeModelParams(*(float(x) for x in line)), max(1, int(size)),
+                                                        half_life=self.models[rank].half_life)
 
     def model_params(self) -> list[Any]:
         return [m.params() for m in self.models]

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.allocators import Allocator, get_allocator
+from hetero_plugins.allocators import Allocator, equal_finish_time, get_allocator
 from hetero_plugins.metrics import straggler_level
 from hetero_plugins.planner import BalancePlanner
 
@@ -607,8 +607,6 @@ def simulate(
     """
     import time
 
-    from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
-
     sim = ClusterSim(scenario, seed=seed)
     sc = sim.scenario
     epochs = sc.epochs if epochs is None else int(epochs)
@@ -632,8 +630,8 @@ def simulate(
     restarts = 0
     pending_cost = 0.0
 
-    def predicted_model(place: int, batch: int, epoch: int) -> Any:
-        """A relocated or new rank's time model: the NCF-predicted line of its place (None: unknown)."""
+    def predicted_line(place: int, epoch: int) -> tuple[float, float] | None:
+        """A new rank's time line: the NCF-predicted line of its place (None: unknown)."""
         if relocator is None or planner is None or members is None:
             return None
         lines = [(p.intercept, p.slope) for p in planner.model_params()]
@@ -643,7 +641,7 @@ def simulate(
         if pdev[place] not in solo or s is None:
             return None
         a, b = solo[pdev[place]]
-        return LinearTimeModel.from_params(TimeModelParams(a * s, b * s), max(1, batch))
+        return a * s, b * s
 
     for e in range(epochs):
         act = sim.active(e)
@@ -664,9 +662,9 @@ def simulate(
                     if r in old:
                         q: int | None = r
                     else:
-                        predicted = predicted_model(where[r], sc.global_batch // len(act), e)
+                        predicted = predicted_line(where[r], e)
                         if predicted is not None:
-                            new.models[i] = predicted
+                            new.seed_model(i, predicted, sc.global_batch // len(act))
                             measured_co[r] = sim.place_corunners(e)[where[r]]
                             source.append(r)
                             continue
@@ -738,8 +736,7 @@ def simulate(
                     for i, k in decision.moves:
                         r, p = int(act[i]), free[k]
                         where[r] = p
-                        a, b = decision.lines[i]
-                        planner.models[i] = LinearTimeModel.from_params(TimeModelParams(a, b), max(1, planner.plan[i]))
+                        planner.seed_model(i, decision.lines[i])
                         measured_co[r] = co_next[p]
                     here = np.array([where[int(r)] for r in act], dtype=np.int64)
                     planner.memory_caps = [pcaps[p] for p in here]
@@ -792,7 +789,7 @@ def best_placement(slots: Sequence[Mapping[str, Any]], n: int, global_batch: int
     rest = order[n:]
 
     def t(ix: list[int]) -> float:
-        return float((global_batch + np.sum(c[ix] / sl[ix])) / np.sum(1.0 / sl[ix]))
+        return equal_finish_time(c[ix], sl[ix], global_batch)
 
     best = t(chosen)
     improved = bool(rest)
@@ -875,6 +872,10 @@ class DecisionProblem:
     true_data: np.ndarray
     global_batch: int
     max_batch: np.ndarray
+
+    def true_step_time(self, plan: Sequence[float]) -> float:
+        """The next epoch's true step time (slowest rank, data time included) under ``plan``."""
+        return float(np.max(self.true_intercept + self.true_slope * np.asarray(plan, dtype=np.float64) + self.true_data))
 
 
 def decision_problems(

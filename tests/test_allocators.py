@@ -106,3 +106,20 @@ def test_bad_allocator_and_bounds():
         Bounds((0,), (4,))
     with pytest.raises(ValueError, match=r"max_batch\[1\]"):
         Bounds((1, 5), (4, 4))
+
+
+@pytest.mark.parametrize("module", ["hetero_plugins.allocators", "hetero_plugins.planner", "hetero_plugins.time_model"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    assert doctest.testmod(importlib.import_module(module)).failed == 0
+
+
+def test_equal_finish_time_is_the_unclamped_equal_finish_makespan():
+    from hetero_plugins.allocators import equal_finish_continuous, equal_finish_time
+
+    models = [TimeModelParams(0.01, 0.001), TimeModelParams(0.02, 0.004), TimeModelParams(0.0, 0.002)]
+    sizes = equal_finish_continuous(models, 700, Bounds.uniform(3))
+    t = equal_finish_time([m.intercept for m in models], [m.slope for m in models], 700)
+    assert all(m.predict(b) == pytest.approx(t) for m, b in zip(models, sizes))

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.cluster import ClusterSource, ClusterView, read_cluster
+from hetero_plugins.cluster import ClusterSource, ClusterView, HostsUnknown, read_cluster
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +53,20 @@ class ClusterAdvisor:
     """
 
     def __init__(self, source: ClusterSource, relocation: bool | Any = True) -> None:
-        if not (isinstance(relocation, bool) or hasattr(relocation, "propose")):
-            raise ValueError(f"`relocation`={relocation!r} is not usable. HINT: pass True (default Relocator), False, "
-                             "or a hetero_plugins.scheduler.relocation.Relocator.")
         self.source = source
-        self.relocation = relocation
+        self.relocation = self.check_relocation(relocation)
         self.placement: ClusterView | None = None
         self._relocator: Any = None
         self._last_moves: list[tuple[int, int]] | None = None
         self._warned: set[str] = set()
+
+    @staticmethod
+    def check_relocation(relocation: bool | Any) -> bool | Any:
+        """``relocation`` if usable (``True``, ``False`` or a ``Relocator``), else a ``ValueError`` with the fix."""
+        if not (isinstance(relocation, bool) or hasattr(relocation, "propose")):
+            raise ValueError(f"`relocation`={relocation!r} is not usable. HINT: pass True (default Relocator), False, "
+                             "or a hetero_plugins.scheduler.relocation.Relocator.")
+        return relocation
 
     def start(self, epoch: int, world_size: int, hosts: Sequence[str] | None = None) -> None:
         """Read the placement of ``epoch`` (the first of this run); raises ``ValueError`` on a bad description.
@@ -70,10 +75,9 @@ class ClusterAdvisor:
         """
         try:
             self.placement = read_cluster(self.source, epoch, world_size, hosts)
-        except ValueError as err:
-            if hosts is None and "needs each rank's host" in str(err):
-                return
-            raise
+        except HostsUnknown:
+            if hosts is not None:
+                raise
 
     def before_decision(self, epoch: int, world_size: int, allocator: Any, data: Sequence[float],
                         hosts: Sequence[str] | None = None) -> ClusterView | None:
@@ -125,11 +129,6 @@ class ClusterAdvisor:
         new = bool(decision.moves) and decision.moves != self._last_moves
         self._last_moves = decision.moves
         return decision, new
-
-    @staticmethod
-    def places(view: ClusterView) -> list[dict[str, Any]]:
-        """Each rank's place as described (device and co-runner at least)."""
-        return view.places or [{"device": d, "corunner": c} for d, c in zip(view.devices, view.corunners)]
 
     @staticmethod
     def info(epoch: int, decision: Any) -> dict[str, Any]:

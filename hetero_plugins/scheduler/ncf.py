@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins.allocators import equal_finish_time
 from hetero_plugins.scheduler.features import read_model, write_model
 
 __all__ = ["InterferencePredictor", "RelocationPlan", "plan_relocation", "write_restart_spec"]
@@ -212,10 +213,6 @@ class RelocationPlan:
         return [(r, s) for r, s in enumerate(self.mapping) if s != r]
 
 
-def _equal_finish_time(a: np.ndarray, beta: np.ndarray, global_batch: int) -> float:
-    return float((global_batch + np.sum(a / beta)) / np.sum(1.0 / beta))
-
-
 def plan_relocation(
     predictor: InterferencePredictor,
     workload: str,
@@ -257,8 +254,8 @@ def plan_relocation(
     chosen = set(order[:world_size])
     free = [s for s in order[:world_size] if s not in current]
     mapping = [s if s in chosen else free.pop(0) for s in current]
-    t_cur = _equal_finish_time(a[current], beta[current], global_batch)
-    t_new = _equal_finish_time(a[mapping], beta[mapping], global_batch)
+    t_cur = equal_finish_time(a[current], beta[current], global_batch)
+    t_new = equal_finish_time(a[mapping], beta[mapping], global_batch)
     if t_cur / t_new - 1.0 < min_gain:
         mapping, t_new = list(current), t_cur
     return RelocationPlan(mapping, t_cur, t_new)

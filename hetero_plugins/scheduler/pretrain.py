@@ -18,7 +18,14 @@ from hetero_plugins.scheduler.features import DecisionContext
 from hetero_plugins.sim import BUILTIN_SCENARIOS, DecisionProblem, decision_problems
 from hetero_plugins.time_model import TimeModelParams
 
-__all__ = ["evaluate_dqn", "pretrain_dqn", "random_scenario", "training_problems"]
+__all__ = ["dqn_plan", "evaluate_dqn", "pretrain_dqn", "random_scenario", "training_problems"]
+
+
+def dqn_plan(net: QNetwork, problem: DecisionProblem) -> np.ndarray:
+    """The DQN's greedy split for a decision problem (what the planner would see), as floats."""
+    ctx = DecisionContext(problem.intercept, problem.slope, problem.global_batch, problem.max_batch,
+                          prev_slope=problem.prev_slope, utilisation=problem.utilisation, data=problem.data)
+    return np.asarray(assign(net, ctx, [1] * len(problem.slope)), dtype=np.float64)
 
 
 def evaluate_dqn(net: QNetwork, problems: list[DecisionProblem]) -> float:
@@ -26,14 +33,10 @@ def evaluate_dqn(net: QNetwork, problems: list[DecisionProblem]) -> float:
     ratios = []
     for p in problems:
         n = len(p.slope)
-        ctx = DecisionContext(p.intercept, p.slope, p.global_batch, p.max_batch, prev_slope=p.prev_slope,
-                              utilisation=p.utilisation, data=p.data)
-        plan = np.asarray(assign(net, ctx, [1] * n), dtype=np.float64)
         bounds = Bounds((1,) * n, tuple(int(c) for c in p.max_batch))
         ef = EqualFinishAllocator().allocate([TimeModelParams(a, b) for a, b in zip(p.intercept, p.slope)],
                                              p.global_batch, bounds)
-        true = lambda x: float(np.max(p.true_intercept + p.true_slope * np.asarray(x, dtype=np.float64) + p.true_data))  # noqa: E731
-        ratios.append(true(plan) / true(ef))
+        ratios.append(p.true_step_time(dqn_plan(net, p)) / p.true_step_time(ef))
     return float(np.mean(ratios))
 
 

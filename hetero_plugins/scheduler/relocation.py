@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
+from hetero_plugins.allocators import equal_finish_time
 
 __all__ = ["Relocation", "Relocator", "read_relocation_spec", "resume_checkpoint", "torchelastic_restarts",
            "write_relocation_spec"]
@@ -66,11 +67,6 @@ class Relocation:
     def predicted_gain(self) -> float:
         """Relative step-time gain (``0.25``: steps 25% faster)."""
         return self.current_step_time / self.step_time - 1.0 if self.step_time > 0 else 0.0
-
-
-def _equal_finish_time(fixed: np.ndarray, slope: np.ndarray, global_batch: int) -> float:
-    """Continuous equal-finish step time ``(B + sum c/s) / sum 1/s``."""
-    return float((global_batch + np.sum(fixed / slope)) / np.sum(1.0 / slope))
 
 
 class Relocator:
@@ -162,12 +158,10 @@ class Relocator:
                              f"{'' if data is None else f', {len(data)}'}. HINT: pass one entry per rank in each.")
         self.decisions += 1
         data_v = np.zeros(n) if data is None else np.asarray(data, dtype=np.float64)
-        own = []
-        for i in range(n):
-            a, b = (float(x) for x in lines[i])
-            s0, s1 = self.slowdown(devices[i], corunners[i], workload), self.slowdown(devices[i], next_corunners[i], workload)
-            f = s1 / s0 if s0 and s1 else 1.0
-            own.append({"intercept": a * f, "slope": b * f, "data": float(data_v[i]), "rank": i})
+        # A rank's own place for the next epoch: its line scaled to the co-runner placed beside it then.
+        factors = self.correction.factors(workload or self.workload, devices, corunners, next_corunners)
+        own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
+               for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
         solo = self.solo_lines(devices, corunners, lines, workload)
         candidates = list(own)
         slot_of: list[int | None] = [None] * n
@@ -185,7 +179,7 @@ class Relocator:
         keep_lines = [(x["intercept"], x["slope"]) for x in own]
         fixed = np.array([x["intercept"] + x["data"] for x in own])
         slope = np.maximum(np.array([x["slope"] for x in own]), 1e-12)
-        t_cur = _equal_finish_time(fixed, slope, global_batch)
+        t_cur = equal_finish_time(fixed, slope, global_batch)
         stay = Relocation([None] * n, keep_lines, t_cur, t_cur, 0.0, len(candidates) - n, unknown)
         if len(candidates) == n:
             return stay
@@ -196,7 +190,7 @@ class Relocator:
         chosen = best_placement(penalised, n, global_batch)
         c_fixed = np.array([candidates[k]["intercept"] + candidates[k]["data"] for k in chosen])
         c_slope = np.maximum(np.array([candidates[k]["slope"] for k in chosen]), 1e-12)
-        t_new = _equal_finish_time(c_fixed, c_slope, global_batch)
+        t_new = equal_finish_time(c_fixed, c_slope, global_batch)
         horizon = min(int(epochs_left), self.horizon_epochs) * int(steps_per_epoch)
         saved = (t_cur - t_new) * horizon - self.restart_cost
         if t_cur / t_new - 1.0 < self.min_gain or saved <= 0:
