@@ -35,7 +35,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from hetero_plugins._validation import check_float, check_int
+from hetero_plugins._validation import check_bool, check_float, check_int, check_path
 from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.callbacks.straggler_monitor import _gather, gather_records
@@ -151,8 +151,9 @@ class BatchBalancer(Callback):
         self.cluster = resolve_cluster_source(cluster)
         ClusterAdvisor.check_relocation(relocation)
         self._advisor = ClusterAdvisor(self.cluster, relocation) if self.cluster is not None else None
-        self.restart_spec = restart_spec
-        self.apply_relocation = bool(apply_relocation)
+        self.restart_spec = check_path("restart_spec", restart_spec, hint="e.g. 'runs/hetero_restart.json', or None")
+        self.apply_relocation = check_bool("apply_relocation", apply_relocation,
+                                           hint="False writes relocations as a restart spec only")
         self._resumed_relocation: dict[str, Any] | None = None
         self._cursor = 0
         self._epoch_parts: list[np.ndarray] = []

@@ -53,6 +53,27 @@ def check_positive_floats(name: str, values: Any, *, length: int | None = None, 
     return out
 
 
+def check_bool(name: str, value: Any, hint: str = "") -> bool:
+    """Return ``value`` if it is ``True`` or ``False``, else raise ``ValueError``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.{_hint(hint)}")
+    return value
+
+
+def check_path(name: str, value: Any, *, must_exist: bool = False, hint: str = "") -> str | None:
+    """Return ``value`` as a ``str`` path (``None`` stays ``None``) if it is a ``str`` or ``os.PathLike`` (and,
+    with ``must_exist``, an existing file), else raise ``ValueError``."""
+    import os
+
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"`{name}` must be a file path, got {value!r}.{_hint(hint)}")
+    if must_exist and not os.path.isfile(value):
+        raise ValueError(f"`{name}`={str(value)!r} is not an existing file.{_hint(hint)}")
+    return str(value)
+
+
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise ``ValueError`` listing them."""
     if value not in choices:

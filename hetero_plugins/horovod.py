@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler, default_collate
 
-from hetero_plugins._validation import check_choice, check_int
+from hetero_plugins._validation import check_choice, check_int, check_path
 from hetero_plugins.aggregation import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
 from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
 from hetero_plugins.local_sgd import LocalSGDSchedule, weighted_average_
@@ -421,8 +421,9 @@ class HeteroBatchSampler(Sampler[list[int]]):
         source = resolve_cluster_source(cluster)
         ClusterAdvisor.check_relocation(relocation)
         self._advisor = ClusterAdvisor(source, relocation) if source is not None else None
-        self.restart_spec = str(restart_spec or "hetero_restart.json")
-        self.hosts_file = None if hosts_file is None else str(hosts_file)
+        self.restart_spec = check_path("restart_spec", restart_spec, hint="e.g. 'hetero_restart.json'") or "hetero_restart.json"
+        self.hosts_file = check_path("hosts_file", hosts_file, must_exist=True,
+                                     hint="pass the file your --host-discovery-script prints (host:slots lines), or None")
         self._hosts: list[str] | None = None  # each rank's slot ("host[local rank]") at the last boundary
         if self._advisor is not None:
             # Rank 0 reads the description; every rank learns its verdict, so a bad one stops them all alike.
@@ -639,13 +640,17 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._exhausted = False
         self._cache = None
 
+    def _unprocessed(self) -> np.ndarray:
+        """The samples of the current segment that no committed step has processed yet."""
+        _, shards, layout = self._segment()
+        return unprocessed_indices(shards, layout, min(self._steps_done, layout.steps))
+
     def _reconcile_world(self) -> None:
         """After an elastic reset to another world size: re-split the unprocessed samples, new plan."""
         world = self.exchange.size()
         if world == len(self._seg_plan):
             return
-        _, shards, layout = self._segment()
-        remaining = unprocessed_indices(shards, layout, min(self._steps_done, layout.steps))
+        remaining = self._unprocessed()
         history = list(self.planner.history)
         old = list(self._seg_plan)
         self.planner = self._new_planner(world)
@@ -751,9 +756,9 @@ class HeteroBatchSampler(Sampler[list[int]]):
             list(self.planner.plan), name="hetero_plugins.replan")]
         log.info("HeteroBatchSampler: slots %s -> %s; plan %s", before, hosts, self.planner.plan)
         if self._steps_done > 0 or self._order is not None:
-            _, shards, layout = self._segment()
+            remaining = self._unprocessed()
             self.timer.pop_records()
-            self._start_segment(unprocessed_indices(shards, layout, min(self._steps_done, layout.steps)))
+            self._start_segment(remaining)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -219,3 +219,17 @@ def test_cluster_advisor_context_relocation_and_a_file_caught_mid_write(tmp_path
     assert adv.relocate(None, planner, 10, 5, [0.0, 0.0]) is None
     with pytest.raises(ValueError, match="`relocation`=3"):
         ClusterAdvisor(str(path), relocation=3)
+
+
+def test_new_balancer_options_are_checked():
+    from hetero_plugins.callbacks import BatchBalancer
+
+    with pytest.raises(ValueError, match="`apply_relocation` must be True or False, got 'yes'"):
+        BatchBalancer(apply_relocation="yes")
+    with pytest.raises(ValueError, match="`restart_spec` must be a file path, got 3"):
+        BatchBalancer(restart_spec=3)
+    with pytest.raises(ValueError, match="`relocation`=3 is not usable"):
+        BatchBalancer(relocation=3)
+    with pytest.raises(ValueError, match="`cluster`=3 is not usable"):
+        BatchBalancer(cluster=3)
+    assert BatchBalancer(restart_spec="runs/spec.json").restart_spec == "runs/spec.json"

@@ -51,3 +51,4 @@ def test_plain_script_cluster_context_and_relocation_spec(horovodrun, tmp_path):
     assert hist[1]["relocation"]["moves"] == [[1, 0]] and hist[1]["relocation"]["spec"] is None
     # A bad description stops every rank with the same error (no rank left waiting in a collective).
     assert res[0]["error"] == res[1]["error"] and "one entry per rank (2)" in res[0]["error"]
+    assert "`hosts_file`=" in res[0]["hosts_error"] and "not an existing file" in res[0]["hosts_error"]

@@ -55,8 +55,13 @@ def main(out_dir: str) -> None:
         error = None
     except ValueError as err:
         error = str(err)
+    try:
+        hh.HeteroBatchSampler(len(data), batch_size=16, hosts_file=os.path.join(out_dir, "missing_hosts"))
+        hosts_error = None
+    except ValueError as err:
+        hosts_error = str(err)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"plan_history": sampler.plan_history, "error": error,
+        json.dump({"plan_history": sampler.plan_history, "error": error, "hosts_error": hosts_error,
                    "lines": [[p.intercept, p.slope] for p in sampler.planner.model_params()]}, f)
 
 
