@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hetero_plugins.aggregation import AggregationOptions
+from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.apps.jobs import run_digits_job, steady_mean
 from hetero_plugins.emulation import RandomStalls, Stall
 

@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.allocators import Bounds, equal_finish_time, get_allocator
+from hetero_plugins.balancing.allocators import Bounds, equal_finish_time, get_allocator
 from hetero_plugins.scheduler.commands import compare
 from hetero_plugins.scheduler.policy import equal_finish_plan
-from hetero_plugins.sim import ClusterSim, best_placement, decision_problems, load_scenario
-from hetero_plugins.time_model import TimeModelParams
+from hetero_plugins.scheduler.sim import ClusterSim, best_placement, decision_problems, load_scenario
+from hetero_plugins.balancing.time_model import TimeModelParams
 
 POLICIES = ("dqn", "auto", "dqn_online", "auto_reloc")
 SCENARIOS = {"static_mix": "static", "paper_mix": "seed_mix", "interference": "interference",
@@ -123,7 +123,7 @@ def scenario_rows(seeds: list[int]) -> dict[str, Any]:
 
 def foresight(name: str, seeds: list[int]) -> dict[str, float]:
     """Throughput of two idealised boundary-time policies relative to ``equal_finish`` (see the module doc)."""
-    from hetero_plugins.sim import simulate
+    from hetero_plugins.scheduler.sim import simulate
 
     def run(seed: int, trend: bool) -> float:
         sim = ClusterSim(name, seed=seed)

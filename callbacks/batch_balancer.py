@@ -11,7 +11,7 @@ and applied at the next epoch start. The global batch, ``batch_size x world_size
 callback registers itself (Lightning ignores ``ddp_comm_hook=`` on CPU).
 
 The callback swaps the sampler inside the train loader's ``BatchSampler`` (the ``DistributedSampler`` that
-Lightning injected) for a :class:`~hetero_plugins.sampler.HeteroDistributedSampler` and sets the
+Lightning injected) for a :class:`~hetero_plugins.balancing.sampler.HeteroDistributedSampler` and sets the
 ``BatchSampler``'s ``batch_size``; both are public attributes of torch's samplers. The first epoch runs with
 Lightning's own sampler (its iterator already exists when callbacks first see the loader); with
 ``HeteroDDPStrategy`` the balanced sampler is in place from the start, for validation too.
@@ -36,13 +36,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from hetero_plugins._validation import check_bool, check_float, check_int, check_path
-from hetero_plugins.allocators import Allocator, Bounds, largest_remainder
+from hetero_plugins.balancing.allocators import Allocator, Bounds, largest_remainder
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.callbacks.straggler_monitor import _gather, gather_records
 from hetero_plugins.cluster import ClusterSource, ClusterView, resolve_cluster_source
-from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor, data_times
-from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
+from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class BatchBalancer(Callback):
 
     Args:
         allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, the learned
-            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.allocators.Allocator`.
+            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.balancing.allocators.Allocator`.
         policy: alias of ``allocator`` (the learned scheduler's name for it, e.g. ``policy="auto"``); giving
             both with different values is an error.
         min_batch_size: smallest local batch a rank may get (raise it for BatchNorm models).

@@ -5,14 +5,14 @@ planner, samplers and the emulator. ``hetero_plugins.callbacks`` and ``hetero_pl
 Lightning integration; ``hetero_plugins.horovod`` the hooks for ``horovodrun`` scripts.
 """
 
-from hetero_plugins.allocators import ALLOCATORS, Allocator, Bounds, get_allocator
+from hetero_plugins.balancing.allocators import ALLOCATORS, Allocator, Bounds, get_allocator
 from hetero_plugins.emulation import EmulationModel, RandomStalls, Stall
 from hetero_plugins.metrics import idle_fraction, straggler_level
-from hetero_plugins.partition import epoch_layout, epoch_shards
-from hetero_plugins.planner import BalancePlanner
-from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler
+from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
+from hetero_plugins.balancing.planner import BalancePlanner
+from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler
 from hetero_plugins.telemetry import StepRecord, StepTimer, SystemMonitor
-from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelParams
 
 __version__ = "0.1.0"
 

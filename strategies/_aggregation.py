@@ -28,9 +28,9 @@ from torch import Tensor
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from hetero_plugins.aggregation import AggregationOptions, resolve_aggregation
-from hetero_plugins.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
-from hetero_plugins.microbatch import (
+from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
+from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
+from hetero_plugins.aggregation.microbatch import (
     CarryQueue,
     ClaimKeys,
     DeadlineRule,
@@ -39,7 +39,7 @@ from hetero_plugins.microbatch import (
     open_claim_store,
     unit_indices,
 )
-from hetero_plugins.work_sharing import deadline_micro_batches, wbsp_micro_batches
+from hetero_plugins.aggregation.work_sharing import deadline_micro_batches, wbsp_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class AggregationMixin:
             )
         self._params = trainable(list(module.parameters()))
         if mode.mode == "pseudo_sync":
-            from hetero_plugins.pseudo_sync import DelayedExchange, PseudoSyncCorrector
+            from hetero_plugins.aggregation.pseudo_sync import DelayedExchange, PseudoSyncCorrector
 
             self._corrector = PseudoSyncCorrector(smoothing=mode.smoothing, min_confidence=mode.min_confidence)  # type: ignore[arg-type]
             momentum = max(float(g.get("momentum", 0.0) or 0.0) for g in self.optimizers[0].param_groups)  # type: ignore[attr-defined]
@@ -162,7 +162,7 @@ class AggregationMixin:
             self._delayed = DelayedExchange(self._allreduce_sum_async)
             self._skip_first = True
         elif mode.mode == "local_sgd":
-            from hetero_plugins.local_sgd import LocalSGDSchedule
+            from hetero_plugins.aggregation.local_sgd import LocalSGDSchedule
 
             self._local = LocalSGDSchedule(local_steps=mode.local_steps)  # type: ignore[arg-type]
 
@@ -334,7 +334,7 @@ class AggregationMixin:
             set_flat_gradients(params, self._corrector.combine(previous))
 
     def _after_local_step(self) -> None:
-        from hetero_plugins.local_sgd import weighted_average_
+        from hetero_plugins.aggregation.local_sgd import weighted_average_
 
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         module = self.lightning_module  # type: ignore[attr-defined]

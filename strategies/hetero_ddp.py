@@ -27,8 +27,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from hetero_plugins.aggregation import AggregationOptions
-from hetero_plugins.allocators import Allocator
+from hetero_plugins.aggregation.options import AggregationOptions
+from hetero_plugins.balancing.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.cluster import ClusterSource
 from hetero_plugins.strategies._aggregation import AggregationMixin
@@ -45,7 +45,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
 
     Args:
         allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, the learned
-            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.allocators.Allocator`.
+            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.balancing.allocators.Allocator`.
         policy: alias of ``allocator`` (e.g. ``HeteroDDPStrategy(policy="auto")``); giving both with
             different values is an error.
         min_batch_size: smallest local batch a rank may get.

@@ -36,13 +36,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from hetero_plugins.aggregation import AggregationOptions
-from hetero_plugins.allocators import Allocator
+from hetero_plugins.aggregation.options import AggregationOptions
+from hetero_plugins.balancing.allocators import Allocator
 from hetero_plugins.cluster import ClusterSource
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
-from hetero_plugins.horovod import GradientWeighting, _hvd
+from hetero_plugins.horovod._hvd import hvd as _hvd
+from hetero_plugins.horovod.weighting import GradientWeighting
 
 __all__ = ["HeteroHorovodStrategy", "HorovodEnvironment"]
 
@@ -112,7 +113,7 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
 
     Args:
         allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, ``"dqn"``,
-            ``"auto"`` or an :class:`~hetero_plugins.allocators.Allocator`.
+            ``"auto"`` or an :class:`~hetero_plugins.balancing.allocators.Allocator`.
         min_batch_size: smallest local batch a rank may get.
         max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
         min_gain: predicted relative speed-up a new plan needs before it replaces the current one.

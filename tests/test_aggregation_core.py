@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 import hetero_plugins.aggregation as aggregation_module
-import hetero_plugins.grad_sync as grad_sync_module
-import hetero_plugins.microbatch as microbatch_module
-import hetero_plugins.work_sharing as work_sharing_module
-from hetero_plugins.aggregation import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
-from hetero_plugins.grad_sync import sync_sample_weighted
-from hetero_plugins.local_sgd import weighted_average_
-from hetero_plugins.microbatch import (
+import hetero_plugins.aggregation.grad_sync as grad_sync_module
+import hetero_plugins.aggregation.microbatch as microbatch_module
+import hetero_plugins.aggregation.work_sharing as work_sharing_module
+from hetero_plugins.aggregation.options import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
+from hetero_plugins.aggregation.grad_sync import sync_sample_weighted
+from hetero_plugins.aggregation.local_sgd import weighted_average_
+from hetero_plugins.aggregation.microbatch import (
     CarryQueue,
     DeadlineRule,
     MicroBatch,
@@ -27,7 +27,7 @@ from hetero_plugins.microbatch import (
     split_batch,
     take_rows,
 )
-from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.balancing.planner import BalancePlanner
 
 
 @pytest.mark.parametrize("module", [aggregation_module, microbatch_module, grad_sync_module, work_sharing_module])
@@ -155,7 +155,7 @@ def test_wbsp_ranks_share_a_step_through_a_tcp_store_each_unit_once():
     import threading
     import time
 
-    from hetero_plugins.work_sharing import wbsp_micro_batches
+    from hetero_plugins.aggregation.work_sharing import wbsp_micro_batches
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     counts, parts, cost = [16, 16], 8, [0.001, 0.006]

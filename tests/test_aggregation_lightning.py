@@ -15,11 +15,11 @@ import torch
 import lightning.pytorch as pl
 
 import hetero_plugins.strategies  # noqa: F401
-from hetero_plugins.aggregation import AggregationOptions
+from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.apps.digits import digits_datasets
 from hetero_plugins.callbacks import HeterogeneityEmulator
 from hetero_plugins.emulation import Stall
-from hetero_plugins.partition import ddp_order, epoch_layout
+from hetero_plugins.balancing.partition import ddp_order, epoch_layout
 from hetero_plugins.strategies import HeteroDDPStrategy
 from tests.lightning_jobs import IndexedDigitsMLP, Report, read_reports
 
@@ -181,7 +181,7 @@ def test_local_sgd_averages_every_h_steps_weighted_by_samples(tmp_path):
 
 
 def _split_last(total: int, plan: list[int]) -> list[int]:
-    from hetero_plugins.partition import split_remainder
+    from hetero_plugins.balancing.partition import split_remainder
 
     return list(split_remainder(total, plan))
 

@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hetero_plugins.allocators import (
+from hetero_plugins.balancing.allocators import (
     ALLOCATORS,
     Bounds,
     EqualFinishAllocator,
@@ -12,7 +12,7 @@ from hetero_plugins.allocators import (
     largest_remainder,
     predicted_times,
 )
-from hetero_plugins.time_model import TimeModelParams
+from hetero_plugins.balancing.time_model import TimeModelParams
 
 
 def random_models(rng, n):
@@ -108,7 +108,7 @@ def test_bad_allocator_and_bounds():
         Bounds((1, 5), (4, 4))
 
 
-@pytest.mark.parametrize("module", ["hetero_plugins.allocators", "hetero_plugins.planner", "hetero_plugins.time_model"])
+@pytest.mark.parametrize("module", ["hetero_plugins.balancing.allocators", "hetero_plugins.balancing.planner", "hetero_plugins.balancing.time_model"])
 def test_docstring_examples(module):
     import doctest
     import importlib
@@ -117,7 +117,7 @@ def test_docstring_examples(module):
 
 
 def test_equal_finish_time_is_the_unclamped_equal_finish_makespan():
-    from hetero_plugins.allocators import equal_finish_continuous, equal_finish_time
+    from hetero_plugins.balancing.allocators import equal_finish_continuous, equal_finish_time
 
     models = [TimeModelParams(0.01, 0.001), TimeModelParams(0.02, 0.004), TimeModelParams(0.0, 0.002)]
     sizes = equal_finish_continuous(models, 700, Bounds.uniform(3))

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 
 import hetero_plugins.strategies  # noqa: F401  (registers "hetero_ddp" / "hetero_ddp_spawn")
 from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator
-from hetero_plugins.partition import epoch_layout, epoch_shards
+from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
 from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.apps.digits import digits_datasets
 from tests.lightning_jobs import DigitsMLP, Report, read_reports

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from hetero_plugins.apps.digits import digits_datasets
 from hetero_plugins.callbacks import LRAdapter
-from hetero_plugins.horovod_lr import elastic_lr_callback, register_elastic_handler
+from hetero_plugins.horovod.lr import elastic_lr_callback, register_elastic_handler
 from hetero_plugins.lr_scaling import LRScaler, adascale_gain, gradient_noise_stats
 from tests.lightning_jobs import DigitsMLP
 

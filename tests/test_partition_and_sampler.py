@@ -5,8 +5,8 @@ import pytest
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 import torch
 
-from hetero_plugins.partition import epoch_layout, epoch_shards
-from hetero_plugins.sampler import HeteroBatchSampler, HeteroDistributedSampler
+from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
+from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler
 
 CASES = list(itertools.product([1, 7, 64, 101, 1797], [[1], [3, 5], [32, 32, 16, 8], [1, 1, 1]], [False, True]))
 

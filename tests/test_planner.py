@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.balancing.planner import BalancePlanner
 
 
 def fake_epoch(plan, speeds, steps=10, cost=0.001, overhead=0.002, rng=None):

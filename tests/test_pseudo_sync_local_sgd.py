@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-import hetero_plugins.local_sgd as local_sgd_mod
-import hetero_plugins.pseudo_sync as pseudo_sync_mod
-from hetero_plugins.local_sgd import LocalSGDSchedule, weighted_average_
-from hetero_plugins.pseudo_sync import CompletedHandle, DelayedExchange, PseudoSyncCorrector
+import hetero_plugins.aggregation.local_sgd as local_sgd_mod
+import hetero_plugins.aggregation.pseudo_sync as pseudo_sync_mod
+from hetero_plugins.aggregation.local_sgd import LocalSGDSchedule, weighted_average_
+from hetero_plugins.aggregation.pseudo_sync import CompletedHandle, DelayedExchange, PseudoSyncCorrector
 
 
 class SimWorld:

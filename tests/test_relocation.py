@@ -11,8 +11,8 @@ import pytest
 
 from hetero_plugins.scheduler import relocation as relocation_module
 from hetero_plugins.scheduler.relocation import Relocator
-from hetero_plugins.sim import BUILTIN_SCENARIOS, load_scenario, simulate
-from hetero_plugins.time_model import LinearTimeModel, TimeModelParams
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, simulate
+from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelParams
 
 V100, T4 = (0.005, 0.0005), (0.006, 0.0012)
 
@@ -192,7 +192,7 @@ def test_resume_checkpoint_only_in_a_later_restart_of_the_same_run(tmp_path, mon
 
 
 def test_cluster_advisor_context_relocation_and_a_file_caught_mid_write(tmp_path):
-    from hetero_plugins.planner import BalancePlanner
+    from hetero_plugins.balancing.planner import BalancePlanner
     from hetero_plugins.scheduler import cluster_advisor as advisor_module
     from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
     from hetero_plugins.scheduler.policy import AutoAllocator

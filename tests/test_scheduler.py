@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_plugins.allocators import ALLOCATORS, Bounds, EqualFinishAllocator, get_allocator
+from hetero_plugins.balancing.allocators import ALLOCATORS, Bounds, EqualFinishAllocator, get_allocator
 from hetero_plugins.cli import main as cli_main
-from hetero_plugins.planner import BalancePlanner
+from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.scheduler import AutoAllocator, DQNAllocator, InterferencePredictor, QNetwork
 from hetero_plugins.scheduler.dqn import DQNTrainer
 from hetero_plugins.scheduler.features import FEATURES, write_model
 from hetero_plugins.scheduler.ncf import plan_relocation, write_restart_spec
 from hetero_plugins.scheduler.pretrain import evaluate_dqn, slowdown_table
 from hetero_plugins.scheduler.transfer import transfer_ncf
-from hetero_plugins.sim import BUILTIN_SCENARIOS, ClusterSim, decision_problems, load_scenario, simulate
-from hetero_plugins.time_model import TimeModelParams as P
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, decision_problems, load_scenario, simulate
+from hetero_plugins.balancing.time_model import TimeModelParams as P
 
 
 @pytest.fixture(autouse=True)
@@ -281,7 +281,7 @@ def test_compact_schema_errors_name_field_and_fix(patch, field):
 
 
 def test_allreduce_cost_and_oracle():
-    from hetero_plugins.sim import oracle
+    from hetero_plugins.scheduler.sim import oracle
 
     sim = ClusterSim("paper_mix")
     lat, nbytes, bw = sim.scenario.allreduce

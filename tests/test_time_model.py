@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hetero_plugins.time_model import LinearTimeModel
+from hetero_plugins.balancing.time_model import LinearTimeModel
 
 
 def test_recovers_line_under_noise_and_stalls():

@@ -7,7 +7,7 @@
   slowdowns; :class:`Relocator` decides when moving ranks to free slots pays for a restart
   (:mod:`~hetero_plugins.scheduler.relocation`; :func:`plan_relocation` is the restart-cost-free planner).
 - :mod:`~hetero_plugins.scheduler.pretrain` and :mod:`~hetero_plugins.scheduler.transfer` build models on
-  the simulator (:mod:`hetero_plugins.sim`); shipped defaults live in ``models/`` and load by default.
+  the simulator (:mod:`hetero_plugins.scheduler.sim`); shipped defaults live in ``models/`` and load by default.
 """
 
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork

@@ -14,7 +14,7 @@ DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
 
 def _allocators(text: str) -> list[str]:
-    from hetero_plugins.allocators import ALLOCATORS, get_allocator
+    from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
 
     names = [a.strip() for a in text.split(",") if a.strip()]
     if not names:
@@ -35,15 +35,15 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     """One run of ``policy`` on ``scenario`` beside the oracle, the equal split and the best analytic allocator.
 
     ``relocation`` (``True`` or a :class:`~hetero_plugins.scheduler.relocation.Relocator`) lets the policy's
-    run move ranks to free slots (stage 2, see :func:`~hetero_plugins.sim.simulate`); the analytic runs never
+    run move ranks to free slots (stage 2, see :func:`~hetero_plugins.scheduler.sim.simulate`); the analytic runs never
     relocate (they have no model of a slot they have not run on).
 
     Throughputs are samples per second of simulated training over all epochs (``samples_per_s``) and after the
     first, measuring epoch (``steady_samples_per_s``: the oracle knows the true times from the start, every
     policy spends the first epoch on an equal split to measure them).
     """
-    from hetero_plugins.allocators import get_allocator
-    from hetero_plugins.sim import load_scenario, oracle, simulate
+    from hetero_plugins.balancing.allocators import get_allocator
+    from hetero_plugins.scheduler.sim import load_scenario, oracle, simulate
 
     sc = load_scenario(scenario)
     alloc = get_allocator(policy)
@@ -86,8 +86,8 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
 
 def simulate_main(argv: list[str] | None = None) -> int:
     """Run a policy on a simulated cluster beside the oracle, the equal split and the best analytic allocator."""
-    from hetero_plugins.allocators import ALLOCATORS, get_allocator
-    from hetero_plugins.sim import BUILTIN_SCENARIOS, load_scenario, simulate
+    from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
+    from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, simulate
 
     parser = argparse.ArgumentParser(prog="hetero-plugins simulate", description=simulate_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO",
@@ -199,7 +199,7 @@ def pretrain_main(argv: list[str] | None = None) -> int:
 def transfer_main(argv: list[str] | None = None) -> int:
     """Fine-tune the DQN (default: the shipped one) for a new cluster scenario and write the model file."""
     from hetero_plugins.scheduler.transfer import transfer_dqn
-    from hetero_plugins.sim import load_scenario
+    from hetero_plugins.scheduler.sim import load_scenario
 
     parser = argparse.ArgumentParser(prog="hetero-plugins transfer", description=transfer_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO", help="same as --scenario")

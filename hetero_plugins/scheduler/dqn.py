@@ -330,7 +330,7 @@ class DQNTrainer:
         ``lr_end``: decay the learning rate linearly to this value over the budget (stabilises the end).
         """
         if not problems:
-            raise ValueError("`problems` is empty. HINT: build some with hetero_plugins.sim.decision_problems().")
+            raise ValueError("`problems` is empty. HINT: build some with hetero_plugins.scheduler.sim.decision_problems().")
         t0 = time.perf_counter()
         order = list(range(len(problems)))
         k = 0

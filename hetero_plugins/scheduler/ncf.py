@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.allocators import equal_finish_time
+from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.scheduler.features import read_model, write_model
 
 __all__ = ["InterferencePredictor", "RelocationPlan", "plan_relocation", "write_restart_spec"]

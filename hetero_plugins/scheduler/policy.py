@@ -1,7 +1,7 @@
 """The learned allocators: ``"dqn"`` (stage-1 DQN chunk assignment) and ``"auto"`` (DQN with a safety net).
 
-Both are :class:`~hetero_plugins.allocators.Allocator` subclasses, registered in
-:data:`~hetero_plugins.allocators.ALLOCATORS`, so every integration takes them by name::
+Both are :class:`~hetero_plugins.balancing.allocators.Allocator` subclasses, registered in
+:data:`~hetero_plugins.balancing.allocators.ALLOCATORS`, so every integration takes them by name::
 
     Trainer(strategy=HeteroDDPStrategy(allocator="auto"), devices=4)
 
@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.allocators import ALLOCATORS, Allocator, Bounds, _fallback_models
+from hetero_plugins.balancing.allocators import ALLOCATORS, Allocator, Bounds, _fallback_models
 from hetero_plugins.scheduler.dqn import QNetwork, assign
 from hetero_plugins.scheduler.features import DecisionContext
-from hetero_plugins.sim import DecisionProblem
-from hetero_plugins.time_model import TimeModelParams
+from hetero_plugins.scheduler.sim import DecisionProblem
+from hetero_plugins.balancing.time_model import TimeModelParams
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def equal_finish_plan(intercept: np.ndarray, slope: np.ndarray, global_batch: in
                       max_batch: np.ndarray) -> np.ndarray:
     """Makespan-optimal integer split for linear times ``a_i + beta_i * b_i`` (vectorised, O(60 N)).
 
-    The same objective as :class:`~hetero_plugins.allocators.EqualFinishAllocator` (closed-form equal finish
+    The same objective as :class:`~hetero_plugins.balancing.allocators.EqualFinishAllocator` (closed-form equal finish
     plus makespan-optimal rounding), solved directly: bisection on the step time ``T`` for the smallest ``T``
     at which the samples every rank can finish by ``T``, ``clip(floor((T - a_i) / beta_i), lo_i, hi_i)``, cover
     the global batch; the few surplus samples (ties) leave the ranks that finish last. Ties may be broken
@@ -166,8 +166,8 @@ class DQNAllocator(Allocator):
 
     Example::
 
-        >>> from hetero_plugins.allocators import Bounds
-        >>> from hetero_plugins.time_model import TimeModelParams as P
+        >>> from hetero_plugins.balancing.allocators import Bounds
+        >>> from hetero_plugins.balancing.time_model import TimeModelParams as P
         >>> plan = DQNAllocator().allocate([P(0.0, 0.001), P(0.0, 0.004)], 64, Bounds.uniform(2))
         >>> sum(plan), plan[0] > plan[1]
         (64, True)

@@ -1,6 +1,6 @@
 """Pre-training of both stages on simulated clusters (the paper pre-trains both stages before running online).
 
-Stage 1 (LDWP, the DQN) learns from :class:`~hetero_plugins.sim.DecisionProblem` episodes drawn from random
+Stage 1 (LDWP, the DQN) learns from :class:`~hetero_plugins.scheduler.sim.DecisionProblem` episodes drawn from random
 heterogeneous clusters (device mixes, memory caps, input-pipeline time, ramps, speed changes, co-runners);
 stage 2 (IAWP, the NCF) from a slowdown table sampled the same way. Zhang, Geng, Ma, IEEE TPDS 2021.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.allocators import Bounds, EqualFinishAllocator
+from hetero_plugins.balancing.allocators import Bounds, EqualFinishAllocator
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork, assign
 from hetero_plugins.scheduler.features import DecisionContext
-from hetero_plugins.sim import BUILTIN_SCENARIOS, DecisionProblem, decision_problems
-from hetero_plugins.time_model import TimeModelParams
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, DecisionProblem, decision_problems
+from hetero_plugins.balancing.time_model import TimeModelParams
 
 __all__ = ["dqn_plan", "evaluate_dqn", "pretrain_dqn", "random_scenario", "training_problems"]
 

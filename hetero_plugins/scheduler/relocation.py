@@ -11,7 +11,7 @@ can decide at an epoch boundary from what it knows there:
   out (the median over those ranks): the time model of a rank on a slot it has never run on;
 - the free slots (device type and co-runner).
 
-It picks the placement with the shortest predicted equal-finish step time (:func:`hetero_plugins.sim.best_placement`)
+It picks the placement with the shortest predicted equal-finish step time (:func:`hetero_plugins.scheduler.sim.best_placement`)
 and moves ranks only when the seconds saved over the next ``horizon_epochs`` epochs exceed ``restart_cost``
 and the step time drops by at least ``min_gain``. The decision is framework-free; the simulator applies it
 (``simulate(..., relocation=True)``) and :class:`~hetero_plugins.callbacks.BatchBalancer` writes it as a
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.allocators import equal_finish_time
+from hetero_plugins.balancing.allocators import equal_finish_time
 
 __all__ = ["Relocation", "Relocator", "read_relocation_spec", "resume_checkpoint", "torchelastic_restarts",
            "write_relocation_spec"]
@@ -149,7 +149,7 @@ class Relocator:
             data: each rank's measured data seconds per step outside the compute window (stays with the slot).
             workload: overrides the relocator's workload.
         """
-        from hetero_plugins.sim import best_placement
+        from hetero_plugins.scheduler.sim import best_placement
 
         n = len(devices)
         if not (len(corunners) == len(next_corunners) == len(lines) == n) or (data is not None and len(data) != n):

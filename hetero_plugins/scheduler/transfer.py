@@ -22,7 +22,7 @@ import numpy as np
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
 from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.pretrain import evaluate_dqn
-from hetero_plugins.sim import Scenario, decision_problems
+from hetero_plugins.scheduler.sim import Scenario, decision_problems
 
 __all__ = ["transfer_dqn", "transfer_ncf"]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hetero_plugins.horovod import resplit_unprocessed, segment_layout, segment_shards, unprocessed_indices
-from hetero_plugins.partition import epoch_layout
+from hetero_plugins.balancing.partition import epoch_layout
 from tests.horovod.conftest import SCRIPTS
 
 

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero_plugins.horovod as hh
-from hetero_plugins.aggregation import AggregationOptions
+from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.apps.digits import digits_datasets
 
 N = 96

@@ -21,11 +21,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from hetero_plugins.aggregation import AggregationOptions
+from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.apps.digits import digits_datasets
 from hetero_plugins.callbacks import HeterogeneityEmulator
 from hetero_plugins.emulation import Stall
-from hetero_plugins.partition import ddp_order, epoch_layout
+from hetero_plugins.balancing.partition import ddp_order, epoch_layout
 from hetero_plugins.strategies import HeteroHorovodStrategy
 
 TOL = 1e-9

@@ -1,7 +1,7 @@
 """Which micro-batches a rank runs in a step, for the ``deadline`` and ``wbsp`` aggregation modes.
 
 Both are generators shared by the Lightning strategies and the Horovod optimizer: they yield
-:class:`~hetero_plugins.microbatch.MicroBatch` items, the caller back-propagates each one before asking
+:class:`~hetero_plugins.aggregation.microbatch.MicroBatch` items, the caller back-propagates each one before asking
 for the next, and the generator reads the clock between items to learn this step's pace. Neither touches a
 collective: ``wbsp`` coordinates through a key-value store's atomic ``add`` (a ``torch.distributed.TCPStore``
 served by rank 0).
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from hetero_plugins.microbatch import CarryQueue, DeadlineRule, MicroBatch, StepClaims, micro_batch_sizes, take_rows
+from hetero_plugins.aggregation.microbatch import CarryQueue, DeadlineRule, MicroBatch, StepClaims, micro_batch_sizes, take_rows
 
 __all__ = ["deadline_micro_batches", "wbsp_micro_batches"]
 
@@ -50,7 +50,7 @@ def deadline_micro_batches(
 
     Args:
         batch: this rank's batch of the step (collated).
-        sizes: its units (see :func:`~hetero_plugins.microbatch.micro_batch_sizes`).
+        sizes: its units (see :func:`~hetero_plugins.aggregation.microbatch.micro_batch_sizes`).
         rule: the step's deadline, in seconds from the first ``next()``.
         carry: this rank's carried micro-batches: run first, refilled with what misses the deadline.
 

@@ -1,0 +1,302 @@
+"""The per-epoch balancing decision, free of any framework: measurements in, next plan out.
+
+One :class:`BalancePlanner` holds a time model per rank, an allocator and the damping rule. Integrations
+(Lightning callback/strategy, Horovod hooks) gather every rank's step records at the end of an epoch, feed
+them to the planner on every rank (the models stay identical everywhere, so any rank's checkpoint holds
+them all), let rank 0's decision win by broadcasting it, and apply it at the next epoch start.
+
+Damping: a new plan replaces the current one only when its predicted step makespan is at least
+``min_gain`` (default 3%) shorter, so noise does not make plans flap (AdaptDL's speedup threshold; LBB's
+hysteresis).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins._validation import check_float, check_int
+from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder
+from hetero_plugins.metrics import idle_fraction, straggler_level
+from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BalancePlanner"]
+
+
+class BalancePlanner:
+    """Per-epoch planner of per-rank batch sizes for a fixed global batch.
+
+    Args:
+        world_size: number of ranks.
+        global_batch: samples per optimizer step over all ranks; never changed by the planner.
+        allocator: ``"static"``, ``"proportional"``, ``"equal_finish"`` (default), ``"lbb"`` or an
+            :class:`~hetero_plugins.balancing.allocators.Allocator`.
+        min_batch_size: smallest local batch any rank may get.
+        max_batch_size: largest local batch any rank may get (``None``: unbounded); per-rank memory caps
+            passed to :meth:`end_epoch` tighten it.
+        min_gain: relative predicted speed-up a new plan needs before it is adopted.
+        half_life: forgetting of the time models, in observed steps.
+        warmup_steps: first observed steps of the run that are ignored (lazy initialisation).
+        initial_plan: the plan of the first epoch; default an equal split.
+
+    Example::
+
+        >>> p = BalancePlanner(world_size=2, global_batch=64)
+        >>> p.plan
+        [32, 32]
+        >>> rec = np.array([[[32, 0.032, 0.0]] * 5, [[32, 0.128, 0.0]] * 5])  # rank 1 is 4x slower
+        >>> entry = p.end_epoch(0, rec, epoch_time=0.64)
+        >>> p.plan
+        [51, 13]
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        global_batch: int,
+        allocator: str | Allocator = "equal_finish",
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        min_gain: float = 0.03,
+        half_life: float = 6.0,
+        warmup_steps: int = 1,
+        initial_plan: Sequence[int] | None = None,
+    ) -> None:
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.global_batch = check_int("global_batch", global_batch, minimum=1)
+        self.allocator = get_allocator(allocator)
+        self.min_batch_size = check_int(
+            "min_batch_size", min_batch_size, minimum=1, hint="every rank needs at least one sample per step"
+        )
+        if max_batch_size is not None:
+            check_int("max_batch_size", max_batch_size, minimum=min_batch_size)
+        self.max_batch_size = max_batch_size
+        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, maximum=1.0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.models = [LinearTimeModel(half_life=half_life) for _ in range(world_size)]
+        self.memory_caps: list[int | None] = [None] * world_size
+        self.bounds.check_feasible(global_batch)
+        if initial_plan is None:
+            self.plan = largest_remainder([global_batch / world_size] * world_size, global_batch, self.bounds)
+        else:
+            self.plan = self._checked_plan(initial_plan)
+        self.history: list[dict[str, Any]] = []
+        self._predicted_step_time: float | None = None
+        self._observed_steps = 0
+
+    @property
+    def bounds(self) -> Bounds:
+        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
+        caps = [hi if c is None else max(self.min_batch_size, min(hi, c)) for c in self.memory_caps]
+        return Bounds((self.min_batch_size,) * self.world_size, tuple(caps))
+
+    def _checked_plan(self, plan: Sequence[int]) -> list[int]:
+        plan = [int(b) for b in plan]
+        if len(plan) != self.world_size or sum(plan) != self.global_batch or min(plan) < self.min_batch_size:
+            raise ValueError(
+                f"`initial_plan`={plan} must have {self.world_size} entries >= {self.min_batch_size} summing to "
+                f"the global batch {self.global_batch}."
+            )
+        return plan
+
+    @property
+    def predicted_step_time(self) -> float | None:
+        """The predicted step time of the current plan (``None`` before the first decision).
+
+        An integration where one rank decides sets it on the others with the plan, so every rank's
+        ``predicted_epoch_time`` in the history is the deciding rank's."""
+        return self._predicted_step_time
+
+    @predicted_step_time.setter
+    def predicted_step_time(self, value: float | None) -> None:
+        self._predicted_step_time = None if value is None else float(value)
+
+    def seed_model(self, rank: int, line: Sequence[float], batch_size: int | None = None) -> None:
+        """Start ``rank``'s time model from a predicted ``(intercept, slope)`` line: a rank with no history (a
+        new node, a relocated rank). Measured steps replace the prediction (see
+        :meth:`~hetero_plugins.balancing.time_model.LinearTimeModel.from_params`; ``batch_size`` defaults to the rank's
+        current batch)."""
+        size = self.plan[rank] if batch_size is None else batch_size
+        self.models[rank] = LinearTimeModel.from_params(TimeModelParams(*(float(x) for x in line)), max(1, int(size)),
+                                                        half_life=self.models[rank].half_life)
+
+    def model_params(self) -> list[Any]:
+        return [m.params() for m in self.models]
+
+    def predict_step_time(self, plan: Sequence[int]) -> float:
+        """Predicted makespan (slowest rank's compute seconds) of one step under ``plan``; nan if unknown.
+
+        An allocator that predicts step times itself (``allocator.predict_makespan(models, plan)``, e.g. the
+        learned ones, whose lines include co-runner changes known at the epoch boundary) is asked instead, so
+        the damping gate does not veto a plan decided on what the fitted lines do not know yet.
+        """
+        params = self.model_params()
+        if any(p is None for p in params):
+            return float("nan")
+        predict = getattr(self.allocator, "predict_makespan", None)
+        if predict is not None:
+            return float(predict(params, plan))
+        return max(p.predict(b) for p, b in zip(params, plan))
+
+    def rates(self, plan: Sequence[int]) -> list[float | None]:
+        """Each rank's predicted samples per second at its batch in ``plan`` (``None`` without a time model).
+
+        Example::
+
+            >>> p = BalancePlanner(world_size=2, global_batch=8)
+            >>> p.observe(np.array([[[4, 0.04, 0.0]] * 3, [[4, 0.16, 0.0]] * 3]))
+            >>> [round(r) for r in p.rates([4, 4])]
+            [100, 25]
+        """
+        out: list[float | None] = []
+        for params, b in zip(self.model_params(), plan):
+            seconds = params.predict(b) if params is not None and b > 0 else math.nan
+            out.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
+        return out
+
+    def plan_with_backlog(self, backlog: Sequence[float]) -> list[int]:
+        """The current plan re-routed so that ranks with a backlog get fewer new samples per step.
+
+        ``backlog[r]`` is the work (in samples per step) rank r must do on top of its new samples, e.g. the
+        micro-batches that missed a deadline spread over the next steps (``aggregation="deadline"``). Each
+        rank's new samples shrink by its backlog (down to ``min_batch_size``), and what it gives up goes to
+        the ranks without backlog in proportion to their current shares (proportional to their speeds under
+        an equal-finish plan). The time models are not consulted: the steps that made the backlog are the
+        ones they describe worst. The result still sums to the global batch.
+
+        Example::
+
+            >>> p = BalancePlanner(world_size=3, global_batch=30, initial_plan=[15, 10, 5])
+            >>> p.plan_with_backlog([0, 4, 0])
+            [18, 6, 6]
+        """
+        extra = [max(0.0, float(c)) for c in backlog]
+        plan = list(self.plan)
+        if len(extra) != self.world_size or not any(extra):
+            return plan
+        bounds = self.bounds
+        give = [min(c, b - lo) for c, b, lo in zip(extra, plan, bounds.min_batch)]
+        takers = [r for r in range(self.world_size) if extra[r] == 0]
+        if not takers or sum(give) <= 0:
+            return plan
+        pool = sum(give)
+        weights = [plan[r] if r in takers else 0.0 for r in range(self.world_size)]
+        total_w = sum(weights)
+        target = [b - g + pool * w / total_w for b, g, w in zip(plan, give, weights)]
+        lo = tuple(min(b, lo) for b, lo in zip(plan, bounds.min_batch))
+        return largest_remainder(target, self.global_batch, Bounds(lo, bounds.max_batch))
+
+    def observe(self, records: np.ndarray) -> None:
+        """Feed step records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
+        records = np.asarray(records, dtype=np.float64)
+        if records.ndim != 3 or records.shape[0] != self.world_size or records.shape[2] < 2:
+            raise ValueError(f"`records` must have shape (world_size={self.world_size}, steps, 3), got {records.shape}.")
+        skip = max(0, self.warmup_steps - self._observed_steps)
+        for r in range(self.world_size):
+            for b, t in records[r, skip:, :2]:
+                if b > 0:
+                    self.models[r].observe(b, t)
+        self._observed_steps += records.shape[1]
+
+    def replan(self, records: np.ndarray | None = None) -> dict[str, Any]:
+        """Mid-epoch: learn from ``records`` (if given) and decide; no history entry is written."""
+        if records is not None and np.asarray(records).shape[1] > 0:
+            self.observe(records)
+        return self._decide()
+
+    def end_epoch(
+        self,
+        epoch: int,
+        records: np.ndarray,
+        epoch_time: float | None = None,
+        memory_caps: Sequence[int | None] | None = None,
+        observed_steps: int = 0,
+        start_plan: Sequence[int] | None = None,
+    ) -> dict[str, Any]:
+        """Learn from an epoch, decide the next plan, and return this epoch's history entry.
+
+        Args:
+            records: the whole epoch's step records, shape ``(world_size, steps, 3)``.
+            epoch_time: measured training seconds of the epoch.
+            memory_caps: per-rank largest batch that fits in memory (``None`` entries: no cap).
+            observed_steps: leading steps already fed through :meth:`replan` during the epoch.
+            start_plan: the plan the epoch started with (default: the current plan).
+        """
+        records = np.asarray(records, dtype=np.float64)
+        self.observe(records[:, observed_steps:])
+        if memory_caps is not None:
+            self.memory_caps = list(memory_caps)
+        used = list(start_plan) if start_plan is not None else list(self.plan)
+        b, t = records[:, :, 0], records[:, :, 1]
+        valid = (b > 0).all(axis=0)
+        levels = [straggler_level(t[:, k]) for k in np.flatnonzero(valid)]
+        idles = [idle_fraction(t[:, k]) for k in np.flatnonzero(valid)]
+        per_rank_compute = [float(np.median(t[r, valid])) if valid.any() else float("nan") for r in range(self.world_size)]
+        per_rank_throughput = [
+            float(b[r, valid].sum() / max(t[r, valid].sum(), 1e-12)) if valid.any() else 0.0
+            for r in range(self.world_size)
+        ]
+        steps = int(records.shape[1])
+        samples = int(b.sum())
+        entry: dict[str, Any] = {
+            "epoch": int(epoch),
+            "batch_sizes": used,
+            "throughput": per_rank_throughput,
+            "compute_time": per_rank_compute,
+            "straggler_level": float(np.median(levels)) if levels else 0.0,
+            "idle_fraction": float(np.median(idles)) if idles else 0.0,
+            "predicted_epoch_time": None if self._predicted_step_time is None else self._predicted_step_time * steps,
+            "measured_epoch_time": None if epoch_time is None else float(epoch_time),
+            "samples": samples,
+            "samples_per_s": None if not epoch_time else samples / float(epoch_time),
+        }
+        entry.update(self._decide())
+        self.history.append(entry)
+        return entry
+
+    def _decide(self) -> dict[str, Any]:
+        bounds = self.bounds
+        current = list(self.plan)
+        proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)
+        t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
+        out_of_bounds = any(not lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch))
+        gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
+        adopt = proposal != current and (out_of_bounds or gain > self.min_gain)
+        if adopt:
+            log.info("BalancePlanner: new plan %s -> %s (predicted gain %.1f%%)", current, proposal, 100 * gain)
+            self.plan = list(proposal)
+        self._predicted_step_time = self.predict_step_time(self.plan)
+        return {"next_batch_sizes": list(self.plan), "predicted_gain": gain, "plan_changed": adopt}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "plan": list(self.plan),
+            "models": [m.state_dict() for m in self.models],
+            "memory_caps": list(self.memory_caps),
+            "history": list(self.history),
+            "predicted_step_time": self._predicted_step_time,
+            "observed_steps": self._observed_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world_size"] != self.world_size or state["global_batch"] != self.global_batch:
+            raise ValueError(
+                f"checkpointed plan is for world_size={state['world_size']}, global_batch={state['global_batch']}, "
+                f"but this run has world_size={self.world_size}, global_batch={self.global_batch}. "
+                "HINT: resume with the same number of ranks and batch size, or start without the balancer state."
+            )
+        self.plan = [int(b) for b in state["plan"]]
+        for m, s in zip(self.models, state["models"]):
+            m.load_state_dict(s)
+        self.memory_caps = list(state.get("memory_caps", [None] * self.world_size))
+        self.history = list(state["history"])
+        self._predicted_step_time = state.get("predicted_step_time")
+        self._observed_steps = int(state.get("observed_steps", self.warmup_steps))
