@@ -1,14 +1,19 @@
-"""Collectives for plain ``horovodrun`` / ``mpirun`` scripts: Horovod's own, or ``mpi4py``."""
+"""Collectives for plain ``horovodrun`` / ``mpirun`` scripts: Horovod's own, or ``mpi4py``.
+
+Both implement :class:`hetero_plugins.collectives.Collectives`.
+"""
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import numpy as np
 import torch
 
 from hetero_plugins._validation import check_choice
+from hetero_plugins.collectives import CompletedHandle, ReduceHandle
 from hetero_plugins.horovod._hvd import hvd as _hvd
 
 __all__ = ["HorovodExchange", "MPIExchange", "get_exchange"]
@@ -25,6 +30,9 @@ class HorovodExchange:
     """
 
     kind = "horovod"
+
+    def __init__(self) -> None:
+        self._store_host: str | None = None
 
     def rank(self) -> int:
         return int(_hvd().rank())
@@ -43,6 +51,20 @@ class HorovodExchange:
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         return list(_hvd().allgather_object(obj, name=name))
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        hvd = _hvd()
+        return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
+    def allreduce_sum_async(self, tensor: torch.Tensor, name: str) -> ReduceHandle:
+        hvd = _hvd()
+        return _HorovodHandle(hvd, hvd.allreduce_async(tensor, op=hvd.Sum, name=name))
+
+    def store_host(self) -> str:
+        """Rank 0's host name, as every rank learns it (collective on first use)."""
+        if self._store_host is None:
+            self._store_host = self.broadcast_object(socket.gethostname(), name="hetero_plugins.store_host")
+        return self._store_host
 
 
 class MPIExchange:
@@ -70,6 +92,20 @@ class MPIExchange:
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         return list(self.comm.allgather(obj))
 
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        from mpi4py import MPI
+
+        buf = tensor.detach().cpu().numpy().copy()
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        tensor.copy_(torch.from_numpy(buf))
+        return tensor
+
+    def allreduce_sum_async(self, tensor: torch.Tensor, name: str) -> ReduceHandle:
+        return CompletedHandle(self.allreduce_sum(tensor, name))
+
+    def store_host(self) -> str:
+        return self.comm.bcast(socket.gethostname(), root=0)
+
 
 def get_exchange(kind: str = "auto") -> HorovodExchange | MPIExchange:
     """The collective backend for epoch statistics.
@@ -96,3 +132,13 @@ def get_exchange(kind: str = "auto") -> HorovodExchange | MPIExchange:
             except ImportError:
                 kind = "horovod"
     return MPIExchange() if kind == "mpi" else HorovodExchange()
+
+
+class _HorovodHandle:
+    """``hvd.allreduce_async``'s handle as a :class:`~hetero_plugins.collectives.ReduceHandle`."""
+
+    def __init__(self, hvd: Any, handle: Any) -> None:
+        self._hvd, self._handle = hvd, handle
+
+    def wait(self) -> torch.Tensor:
+        return self._hvd.synchronize(self._handle)
