@@ -13,6 +13,8 @@ set -euo pipefail
 
 PY=${1:-.venv/bin/python}
 HVD_VERSION=0.28.1
+# sha256 of horovod-0.28.1.tar.gz as served by PyPI; pip refuses any other file (--require-hashes).
+HVD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 CACHE=${HETERO_PLUGINS_CACHE:-$HOME/.cache/hetero_plugins}
 # The venv's bin holds mpicc/mpicxx (the mpich wheel) and cmake: Horovod's CMake must find them.
 PATH="$(cd "$(dirname "$PY")" && pwd):$PATH"
@@ -39,11 +41,21 @@ PY_TAG=$("$PY" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[
 WHEEL_DIR="$CACHE/wheels/horovod-$HVD_VERSION-torch$TORCH_VERSION-$PY_TAG"
 mkdir -p "$WHEEL_DIR"
 
+# The cached wheel is installed only if it matches the hash recorded when it was built here.
+if ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+  if ! (cd "$WHEEL_DIR" && sha256sum --quiet -c SHA256SUMS) >/dev/null 2>&1; then
+    echo "install_horovod: the cached wheel in $WHEEL_DIR does not match the hash recorded at its build" \
+      "(or none was recorded); rebuilding it" >&2
+    rm -f "$WHEEL_DIR"/horovod-*.whl "$WHEEL_DIR/SHA256SUMS"
+  fi
+fi
+
 if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   echo "install_horovod: building Horovod $HVD_VERSION against torch $TORCH_VERSION (about 12 minutes on 2 cores, once)"
   WORK=$(mktemp -d)
   trap 'rm -rf "$WORK"' EXIT
-  "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$HVD_VERSION" -d "$WORK"
+  echo "horovod==$HVD_VERSION --hash=sha256:$HVD_SDIST_SHA256" >"$WORK/requirements.txt"
+  "$PY" -m pip download -q --no-deps --no-binary :all: --require-hashes -r "$WORK/requirements.txt" -d "$WORK"
   tar -xzf "$WORK/horovod-$HVD_VERSION.tar.gz" -C "$WORK"
   SRC="$WORK/horovod-$HVD_VERSION"
   for f in "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"; do
@@ -56,6 +68,7 @@ if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
   MAKEFLAGS=${MAKEFLAGS:--j$(nproc)} \
     "$PY" -m pip wheel --no-build-isolation --no-deps --no-cache-dir -w "$WORK/dist" "$SRC"
   cp "$WORK"/dist/horovod-*.whl "$WHEEL_DIR/"
+  (cd "$WHEEL_DIR" && sha256sum horovod-*.whl >SHA256SUMS)
 fi
 
 "$PY" -m pip install -q --no-deps "$WHEEL_DIR"/horovod-*.whl
