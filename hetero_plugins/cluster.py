@@ -34,14 +34,16 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-__all__ = ["CLUSTER_ENV", "ClusterSource", "ClusterView", "HostsUnknown", "parse_cluster", "read_cluster",
-           "resolve_cluster_source"]
+__all__ = ["CLUSTER_ENV", "ClusterSource", "ClusterView", "HostsUnknown", "check_host_name", "parse_cluster",
+           "read_cluster", "resolve_cluster_source"]
 
 #: Environment variable naming a cluster file when ``cluster=`` is not given.
 CLUSTER_ENV = "HETERO_PLUGINS_CLUSTER"
@@ -81,6 +83,20 @@ class HostsUnknown(ValueError):
     """A ``slots`` description was read without each rank's host, which it needs to place the ranks."""
 
 
+#: A host name as Horovod's host-discovery file and DNS take it: dot-separated labels of letters, digits, "-" and
+#: "_" (an IPv4 address also matches), at most 253 characters. Anything else, a ":" or a line break above all,
+#: could add hosts to the discovery file that the cluster manager never named.
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*$")
+
+
+def check_host_name(where: str, host: Any) -> str:
+    """``host`` if it is a valid host name, else a ``ValueError`` naming ``where``, the value and the fix."""
+    if not isinstance(host, str) or not _HOST_NAME.match(host):
+        raise _bad(where, host, "use the node's host name (letters, digits, '-', '_' and '.', e.g. \"node-3\"), "
+                   "without a port, spaces or line breaks.")
+    return host
+
+
 def _bad(where: str, value: Any, fix: str) -> ValueError:
     return ValueError(f"cluster description field `{where}` is invalid: got {value!r}. HINT: {fix}")
 
@@ -95,14 +111,12 @@ def _place(where: str, entry: Any) -> dict[str, Any]:
     if corunner is not None and (not isinstance(corunner, str) or not corunner):
         raise _bad(f"{where}.corunner", corunner, 'use null (dedicated) or the co-located job\'s type, e.g. "video".')
     data = entry.get("data", 0.0)
-    if isinstance(data, bool) or not isinstance(data, (int, float)) or data < 0:
-        raise _bad(f"{where}.data", data, "use seconds per step >= 0.")
+    if isinstance(data, bool) or not isinstance(data, (int, float)) or not math.isfinite(data) or data < 0:
+        raise _bad(f"{where}.data", data, "use a finite number of seconds per step >= 0.")
     out = {"device": device, "corunner": corunner, "data": float(data)}
     host, index = entry.get("host"), entry.get("index")
     if host is not None:
-        if not isinstance(host, str) or not host:
-            raise _bad(f"{where}.host", host, "use the node's host name.")
-        out["host"] = host
+        out["host"] = check_host_name(f"{where}.host", host)
     if index is not None:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise _bad(f"{where}.index", index, "use the accelerator's index on its node (an int >= 0), e.g. 2 for cuda:2.")
@@ -175,6 +189,10 @@ def resolve_cluster_source(cluster: ClusterSource | None) -> ClusterSource | Non
     return env or None
 
 
+def _no_constant(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not a number JSON allows", name, 0)
+
+
 def read_cluster(source: ClusterSource, epoch: int, world_size: int, hosts: Sequence[str] | None = None) -> ClusterView:
     """The placement for ``epoch`` from a file (read now) or a callable (called with ``epoch``); ``hosts``: each
     rank's host, for the ``slots`` form."""
@@ -187,7 +205,10 @@ def read_cluster(source: ClusterSource, epoch: int, world_size: int, hosts: Sequ
             raise ValueError(f"cluster file {str(path)!r} does not exist. HINT: write it before training (see "
                              f"hetero_plugins.cluster), or unset `cluster` / {CLUSTER_ENV}.")
         try:
-            spec = json.loads(path.read_text())
+            spec = json.loads(path.read_text(), parse_constant=_no_constant)
+        except RecursionError:
+            raise ValueError(f"cluster file {str(path)!r} is nested too deeply to be a cluster description. HINT: "
+                             "write the flat form of hetero_plugins.cluster (ranks, free_slots or slots).") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"cluster file {str(path)!r} is not valid JSON: {err}. HINT: fix the JSON syntax; "
                              "a manager should write the file atomically (write a temporary file, then rename).") from err
