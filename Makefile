@@ -32,11 +32,11 @@ bench: $(STAMP) $(HVD_STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/horovod_bench.py --out bench_output/horovod.json
 	$(VENV)/bin/hetero-plugins bench --horovod-json bench_output/horovod.json
 
-# The learned scheduler (issue 4) against its targets on the simulator; updates the table in docs/scheduler.md.
+# The learned scheduler against its targets on the simulator; updates the table in docs/scheduler.md.
 bench-scheduler: $(STAMP)
 	$(PY) benchmarks/scheduler_bench.py --out bench_output/scheduler.json --update-docs docs/scheduler.md
 
-# The aggregation modes (issue 5) under stalls, a mid-epoch speed change and local SGD; updates README.md.
+# The aggregation modes under stalls, a mid-epoch speed change and local SGD; updates README.md.
 bench-aggregation: $(STAMP)
 	$(PY) benchmarks/aggregation_bench.py --out bench_output/aggregation.json
 

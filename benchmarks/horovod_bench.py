@@ -6,7 +6,7 @@ batches), once with the hooks (per-rank batch sizes). Steady epochs are those fr
 epoch measures, the second runs the new plan). The ideal speed-up for equal work is
 ``max_i(B / n / s_i) / (B / sum_i s_i)`` (2.5 for speeds 1 and 0.25).
 
-Targets (issue 3): steady epochs >= 1.8x faster than stock and >= 0.8 of the ideal speed-up.
+Targets: steady epochs >= 1.8x faster than stock and >= 0.8 of the ideal speed-up.
 
 Usage::
 

@@ -36,7 +36,7 @@ Goyal et al. 2017, section 2.1, eq. (9), without their "momentum correction" ``v
 which is the inverse operation (it makes that form behave like torch's form, whose history follows every
 learning-rate change). That amplification of noisy old-batch momentum by a larger learning rate is what
 Lin et al. 2019 identify as the cause of the instability of an immediate change (their exact compensation
-formula was not readable, see ``seeds.md`` section 21; this is the implementable form that keeps the history's
+formula was not readable, see docs/papers.md; this is the implementable form that keeps the history's
 update size). The factor the buffers correspond to is kept in the group (key ``lr_scaler_momentum_factor``),
 so it travels with the optimizer's checkpoint. Changes made by the user's own schedule (``lr_u``) are not
 compensated: they keep torch's semantics. Other optimizers' state (e.g. Adam's moments) is left alone.
