@@ -14,6 +14,10 @@ from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistribut
 from hetero_plugins.telemetry import StepRecord, StepTimer, SystemMonitor
 from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelParams
 
+# The learned allocators ("dqn", "auto") register themselves when the scheduler is imported; importing it here
+# (Python runs this file before any submodule) makes them available to every allocator= option.
+from hetero_plugins import scheduler as _scheduler  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 __all__ = [

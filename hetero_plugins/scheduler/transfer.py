@@ -1,7 +1,7 @@
 """Transfer learning: rebuild the scheduler for a new cluster starting from an existing model.
 
 The seed paper (Zhang, Geng, Ma, IEEE TPDS 2021) rebuilds its scheduling model for a new cluster by
-transfer learning; the recipe is not public, so this is the usual equivalent (shared/research/seeds.md):
+transfer learning; the recipe is not public, so this is the usual equivalent:
 
 - DQN: copy the weights. The scorer is shared across ranks, so a different rank count needs no new output
   head. Fine-tune on the new cluster's decisions with the lower layers frozen for the first
