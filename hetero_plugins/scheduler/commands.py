@@ -8,14 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
+from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracle, simulate
+from hetero_plugins.scheduler.transfer import transfer_dqn
+
 __all__ = ["compare", "pretrain_main", "simulate_main", "transfer_main"]
 
 DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
 
 def _allocators(text: str) -> list[str]:
-    from hetero_plugins.balancing.allocators import get_allocator
-
     names = [a.strip() for a in text.split(",") if a.strip()]
     if not names:
         raise SystemExit("--allocators is empty. HINT: e.g. --allocators equal_finish,dqn,auto")
@@ -42,9 +45,6 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     first, measuring epoch (``steady_samples_per_s``: the oracle knows the true times from the start, every
     policy spends the first epoch on an equal split to measure them).
     """
-    from hetero_plugins.balancing.allocators import get_allocator
-    from hetero_plugins.scheduler.sim import load_scenario, oracle, simulate
-
     sc = load_scenario(scenario)
     alloc = get_allocator(policy)
     policy = policy if isinstance(policy, str) else alloc.name
@@ -85,8 +85,6 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
 
 
 def _simulate_parser() -> argparse.ArgumentParser:
-    from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS
-
     parser = argparse.ArgumentParser(prog="hetero-plugins simulate", description=simulate_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO",
                         help="same as --scenario (kept for compatibility)")
@@ -105,9 +103,6 @@ def _simulate_parser() -> argparse.ArgumentParser:
 
 def simulate_main(argv: list[str] | None = None) -> int:
     """Run a policy on a simulated cluster beside the oracle, the equal split and the best analytic allocator."""
-    from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
-    from hetero_plugins.scheduler.sim import load_scenario
-
     args = _simulate_parser().parse_args(argv)
     if args.scenario and args.scenario_pos and args.scenario != args.scenario_pos:
         print(f"error: two scenarios given ({args.scenario_pos!r} and --scenario {args.scenario!r}). "
@@ -159,9 +154,6 @@ def _print_comparison(sc: Any, policy: str, out: dict[str, Any]) -> None:
 
 def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
     """``simulate --allocators a,b,c``: one run per allocator, in one table."""
-    from hetero_plugins.balancing.allocators import get_allocator
-    from hetero_plugins.scheduler.sim import simulate
-
     results: dict[str, Any] = {}
     for a in _allocators(args.allocators):
         alloc = get_allocator(a)
@@ -193,8 +185,6 @@ def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
 
 def pretrain_main(argv: list[str] | None = None) -> int:
     """Pre-train the stage-1 DQN and/or the stage-2 NCF on the simulator and write model files."""
-    from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
-
     parser = argparse.ArgumentParser(prog="hetero-plugins pretrain", description=pretrain_main.__doc__)
     parser.add_argument("--stage", choices=["dqn", "ncf", "both"], default="both")
     parser.add_argument("--out", default="scheduler_models", help="folder for dqn_v1.npz / ncf_v1.npz")
@@ -217,9 +207,6 @@ def pretrain_main(argv: list[str] | None = None) -> int:
 
 def transfer_main(argv: list[str] | None = None) -> int:
     """Fine-tune the DQN (default: the shipped one) for a new cluster scenario and write the model file."""
-    from hetero_plugins.scheduler.transfer import transfer_dqn
-    from hetero_plugins.scheduler.sim import load_scenario
-
     parser = argparse.ArgumentParser(prog="hetero-plugins transfer", description=transfer_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO", help="same as --scenario")
     parser.add_argument("--scenario", default=None, help="built-in scenario name or scenario JSON file of the new cluster")
