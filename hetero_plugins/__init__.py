@@ -1,8 +1,9 @@
 """hetero_plugins: heterogeneity-aware data-parallel training for PyTorch Lightning 2.x and Horovod.
 
-The core (this package's top-level modules) is framework-free: telemetry, time models, allocators, the
-planner, samplers and the emulator. ``hetero_plugins.callbacks`` and ``hetero_plugins.strategies`` hold the
-Lightning integration; ``hetero_plugins.horovod`` the hooks for ``horovodrun`` scripts.
+The core is framework-free: ``balancing`` (time models, allocators, the planner, samplers), ``aggregation``,
+the learned ``scheduler`` (with its simulator) and the top-level modules (telemetry, metrics, the emulator).
+``hetero_plugins.callbacks`` and ``hetero_plugins.strategies`` hold the Lightning integration;
+``hetero_plugins.horovod`` the hooks for ``horovodrun`` scripts.
 """
 
 from hetero_plugins.balancing.allocators import ALLOCATORS, Allocator, Bounds, get_allocator
@@ -13,6 +14,10 @@ from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler
 from hetero_plugins.telemetry import StepRecord, StepTimer, SystemMonitor
 from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelParams
+
+# The learned allocators ("dqn", "auto") register themselves when the scheduler is imported; importing it here
+# (Python runs this file before any submodule) makes them available to every allocator= option.
+from hetero_plugins import scheduler as _scheduler  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

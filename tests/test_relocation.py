@@ -233,3 +233,49 @@ def test_new_balancer_options_are_checked():
     with pytest.raises(ValueError, match="`cluster`=3 is not usable"):
         BatchBalancer(cluster=3)
     assert BatchBalancer(restart_spec="runs/spec.json").restart_spec == "runs/spec.json"
+
+
+def test_plan_relocation_is_the_relocator_and_writes_the_one_spec_format(tmp_path):
+    from hetero_plugins.scheduler import InterferencePredictor, plan_relocation, write_restart_spec
+    from hetero_plugins.scheduler.relocation import read_relocation_spec
+
+    p = InterferencePredictor.load()
+    slots = [{"device": "t4", "corunner": "video"}, {"device": "v100", "corunner": None},
+             {"device": "t4", "corunner": None}]
+    times = {"t4": T4, "v100": V100}
+    plan = plan_relocation(p, "training", slots, world_size=2, global_batch=64, device_times=times)
+    # The Relocator's decision: a rank's line is its slot's solo line times the slot's predicted slowdown.
+    s = p.predict("training", "t4", "video")
+    d = Relocator(p, min_gain=0.05, restart_cost=0.0, horizon_epochs=1).propose(
+        devices=["t4", "v100"], corunners=["video", None], next_corunners=["video", None],
+        lines=[(T4[0] * s, T4[1] * s), V100], free_slots=[slots[2]], global_batch=64, steps_per_epoch=1,
+        epochs_left=1, data=[0.0, 0.0], solo=times)
+    assert plan.decision == d and d.moves == [(0, 0)]
+    assert plan.mapping == [2, 1] and plan.moves == [(0, 2)] and plan.free == [2]
+    assert plan.predicted_gain == pytest.approx(d.predicted_gain) and plan.predicted_step_time < plan.current_step_time
+    with pytest.warns(RuntimeWarning, match=r"rank\(s\) \[0\] to free slot\(s\) \[0\].*% faster"):
+        path = write_restart_spec(tmp_path / "spec.json", plan, slots)
+    spec = read_relocation_spec(path)  # the reader the integrations use after a restart
+    assert spec is not None and spec["moves"] == [{"rank": 0, "to_free_slot": 0}]
+    assert spec["ranks"][0] == {"rank": 0, "device": "t4", "corunner": None, "from": "free_slots[0]",
+                                "line": list(d.lines[0])}
+    assert spec["ranks"][1]["from"] == "own" and spec["predicted_gain"] == pytest.approx(plan.predicted_gain)
+    # Ranks on other slots than their index, and nothing to gain: nobody moves, no spec.
+    stay = plan_relocation(p, "training", slots, world_size=2, global_batch=64, device_times=times, current=[2, 1])
+    assert stay.mapping == [2, 1] and stay.moves == []
+    assert write_restart_spec(tmp_path / "none.json", stay, slots) is None and not (tmp_path / "none.json").exists()
+
+
+def test_plan_relocation_names_bad_arguments():
+    from hetero_plugins.scheduler import plan_relocation
+
+    slots = [{"device": "t4", "corunner": None}, {"device": "v100", "corunner": None}]
+    times = {"t4": T4, "v100": V100}
+    with pytest.raises(ValueError, match=r"`current`.*HINT"):
+        plan_relocation(None, "training", slots, 2, 64, times, current=[0, 0])
+    with pytest.raises(ValueError, match=r"`slots` has 2 entries.*HINT"):
+        plan_relocation(None, "training", slots, 3, 64, times)
+    with pytest.raises(ValueError, match=r"without solo times.*HINT"):
+        plan_relocation(None, "training", slots, 2, 64, {"t4": T4})
+    with pytest.raises(ValueError, match=r"does not know.*crypto-miner.*HINT.*transfer"):
+        plan_relocation(None, "training", [*slots, {"device": "t4", "corunner": "crypto-miner"}], 2, 64, times)

@@ -1,4 +1,4 @@
-"""The learned two-stage scheduler (issue 4): simulator, DQN, NCF, model files, "auto" fallback, CLI."""
+"""The learned two-stage scheduler: simulator, DQN, NCF, model files, "auto" fallback, CLI."""
 
 from __future__ import annotations
 
@@ -12,10 +12,16 @@ import torch
 from hetero_plugins.balancing.allocators import ALLOCATORS, Bounds, EqualFinishAllocator, get_allocator
 from hetero_plugins.cli import main as cli_main
 from hetero_plugins.balancing.planner import BalancePlanner
-from hetero_plugins.scheduler import AutoAllocator, DQNAllocator, InterferencePredictor, QNetwork
+from hetero_plugins.scheduler import (
+    AutoAllocator,
+    DQNAllocator,
+    InterferencePredictor,
+    QNetwork,
+    plan_relocation,
+    write_restart_spec,
+)
 from hetero_plugins.scheduler.dqn import DQNTrainer
 from hetero_plugins.scheduler.features import FEATURES, write_model
-from hetero_plugins.scheduler.ncf import plan_relocation, write_restart_spec
 from hetero_plugins.scheduler.pretrain import evaluate_dqn, slowdown_table
 from hetero_plugins.scheduler.transfer import transfer_ncf
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, decision_problems, load_scenario, simulate
@@ -239,7 +245,7 @@ def test_cli_simulate_bad_scenario(capsys, tmp_path):
     assert "`global_batch`" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- issue-4 shape: compact schema, oracle, CLI
+# ---------------------------------------------------------------- compact schema, oracle, CLI
 COMPACT = {
     "ranks": [{"device": "a100", "corunner": None}, {"device": "a100", "corunner": None},
               {"device": "t4", "corunner": "memcpy"}],
@@ -252,7 +258,7 @@ COMPACT = {
 }
 
 
-def test_compact_schema_of_the_issue():
+def test_compact_schema():
     sc = load_scenario(COMPACT)
     assert sc.world_size == 4 and sc.device[3] == "t4" and sc.join == (0, 0, 0, 4) and sc.leave[0] == 3
     assert sc.slope[0] == 0.001 and sc.intercept[0] == 0.01 and sc.max_batch[2] == 256 and len(sc.free_slots) == 1
@@ -293,7 +299,7 @@ def test_allreduce_cost_and_oracle():
     assert oracle("interference", placement=False)["steady_samples_per_s"] < o["steady_samples_per_s"]
 
 
-def test_cli_simulate_issue_shape(capsys, tmp_path):
+def test_cli_simulate_compact_scenario(capsys, tmp_path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps(COMPACT))
     assert cli_main(["simulate", "--scenario", str(f), "--policy", "dqn", "--json"]) == 0
@@ -351,7 +357,7 @@ def test_old_internal_form_is_refused_with_the_fix():
 
 
 def test_vectorised_equal_finish_is_makespan_optimal():
-    from hetero_plugins.scheduler.policy import equal_finish_plan
+    from hetero_plugins.scheduler.placement import equal_finish_plan
 
     rng = np.random.default_rng(0)
     for _ in range(100):
@@ -425,3 +431,87 @@ def test_transfer_keeps_the_best_on_validation():
     assert kept_val <= stats["validation"][0]
     with pytest.raises(ValueError, match="`freeze_fraction`"):
         transfer_dqn(spec, freeze_fraction=2.0)
+
+
+# ---------------------------------------------------------------- layout: the registry, imports one way
+def test_a_fresh_interpreter_that_imports_only_the_planner_knows_the_learned_allocators(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("from hetero_plugins.balancing.planner import BalancePlanner\n"
+            "import hetero_plugins.allocators as old_path\n"
+            "p = BalancePlanner(4, 64, allocator='auto')\n"
+            "print(type(p.allocator).__name__, type(old_path.get_allocator('dqn')).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["AutoAllocator", "DQNAllocator"]
+
+
+def test_register_allocator_and_unknown_names():
+    from hetero_plugins.balancing.allocators import StaticAllocator, register_allocator
+
+    class Halves(StaticAllocator):
+        name = "halves"
+
+    register_allocator("halves", Halves)
+    try:
+        assert isinstance(get_allocator("halves"), Halves)
+        register_allocator("halves", Halves)  # the same class again: nothing happens
+        with pytest.raises(ValueError, match=r"'halves' is already registered.*HINT.*override=True"):
+            register_allocator("halves", EqualFinishAllocator)
+        register_allocator("halves", EqualFinishAllocator, override=True)
+        assert isinstance(get_allocator("halves"), EqualFinishAllocator)
+    finally:
+        ALLOCATORS.pop("halves", None)
+    with pytest.raises(ValueError, match=r"`cls`.*HINT"):
+        register_allocator("ints", int)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`name`.*HINT"):
+        register_allocator("", Halves)
+    with pytest.raises(ValueError, match=r"one of \[.*'auto'.*'dqn'.*\], got 'fastest'\. HINT: .*register_allocator"):
+        get_allocator("fastest")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_imports_point_down_balancing_never_reaches_the_scheduler_nor_the_scheduler_its_simulator():
+    import hetero_plugins
+
+    root = Path(hetero_plugins.__file__).parent
+    for f in sorted((root / "balancing").glob("*.py")):
+        assert not any(m.startswith("hetero_plugins.scheduler") for m in _imported_modules(f)), f.name
+    # The online scheduler needs nothing from the simulator; only training and the command line use it.
+    for f in sorted((root / "scheduler").glob("*.py")):
+        if f.stem in ("pretrain", "transfer", "commands"):
+            continue
+        assert not any(m.startswith("hetero_plugins.scheduler.sim") for m in _imported_modules(f)), f.name
+
+
+@pytest.mark.parametrize("module", ["hetero_plugins.scheduler.placement", "hetero_plugins.scheduler.interference",
+                                    "hetero_plugins.scheduler.sim", "hetero_plugins.scheduler.sim.scenario"])
+def test_scheduler_docstring_examples(module):
+    import doctest
+    import importlib
+
+    assert doctest.testmod(importlib.import_module(module)).failed == 0
+
+
+def test_the_sim_alias_keeps_every_name():
+    import hetero_plugins.scheduler.sim as sim
+    import hetero_plugins.sim as alias
+
+    assert alias is sim
+    for name in ("simulate", "oracle", "load_scenario", "ClusterSim", "Scenario", "BUILTIN_SCENARIOS",
+                 "decision_problems", "best_placement", "DecisionProblem", "DEFAULT_CORUNNERS", "SCENARIO_FIELDS",
+                 "EVENT_KINDS"):
+        assert hasattr(alias, name), name
+    assert set(sim.__all__) <= set(dir(alias))

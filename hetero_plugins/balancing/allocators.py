@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hetero_plugins._validation import check_choice, check_float, check_int
+from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.time_model import TimeModelParams
 
 __all__ = [
@@ -32,12 +32,14 @@ __all__ = [
     "Bounds",
     "EqualFinishAllocator",
     "equal_finish_time",
+    "fitted_models",
     "LBBAllocator",
     "ProportionalAllocator",
     "StaticAllocator",
     "get_allocator",
     "largest_remainder",
     "predicted_times",
+    "register_allocator",
 ]
 
 
@@ -174,7 +176,9 @@ def _refine_makespan(models: Sequence[TimeModelParams], sizes: list[int], bounds
     return sizes
 
 
-def _fallback_models(models: Sequence[TimeModelParams | None]) -> list[TimeModelParams] | None:
+def fitted_models(models: Sequence[TimeModelParams | None]) -> list[TimeModelParams] | None:
+    """``models`` as a list when every rank has a usable fitted line (finite, positive slope), else ``None``
+    (an allocator then keeps the current plan or splits equally)."""
     if any(m is None or not math.isfinite(m.slope) or m.slope <= 0 for m in models):
         return None
     return list(models)  # type: ignore[arg-type]
@@ -226,7 +230,7 @@ class ProportionalAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = _fallback_models(models)
+        fitted = fitted_models(models)
         if fitted is None:
             return self._keep_or_equal(global_batch, bounds, current)
         ref = global_batch / bounds.world_size
@@ -279,7 +283,7 @@ class EqualFinishAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = _fallback_models(models)
+        fitted = fitted_models(models)
         if fitted is None:
             return self._keep_or_equal(global_batch, bounds, current)
         shares = equal_finish_continuous(fitted, global_batch, bounds)
@@ -307,7 +311,7 @@ class LBBAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = _fallback_models(models)
+        fitted = fitted_models(models)
         if fitted is None:
             return self._keep_or_equal(global_batch, bounds, current)
         valid_current = current is not None and sum(current) == global_batch and len(current) == bounds.world_size
@@ -355,12 +359,41 @@ ALLOCATORS: dict[str, type[Allocator]] = {
 }
 
 
+def register_allocator(name: str, cls: type[Allocator], *, override: bool = False) -> None:
+    """Make ``cls`` available by ``name`` to :func:`get_allocator` (and every ``allocator=`` option).
+
+    The learned ``dqn`` / ``auto`` of :mod:`hetero_plugins.scheduler` register themselves this way when that
+    package is imported (``import hetero_plugins`` does). Registering a name again with another class needs
+    ``override=True``; registering the same class again does nothing.
+
+    Example::
+
+        >>> class Halves(StaticAllocator):
+        ...     name = "halves"
+        >>> register_allocator("halves", Halves)
+        >>> get_allocator("halves").allocate([None, None], 8, Bounds.uniform(2))
+        [4, 4]
+        >>> del ALLOCATORS["halves"]
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`name` must be a non-empty string, got {name!r}. HINT: e.g. register_allocator('mine', MyAllocator).")
+    if not isinstance(cls, type) or not issubclass(cls, Allocator):
+        raise ValueError(f"`cls`={cls!r} is not an Allocator subclass. HINT: subclass "
+                         "hetero_plugins.balancing.allocators.Allocator and implement allocate().")
+    known = ALLOCATORS.get(name)
+    if known is not None and known is not cls and not override:
+        raise ValueError(f"allocator {name!r} is already registered as {known.__module__}.{known.__qualname__}. "
+                         "HINT: pick another name, or pass override=True to replace it.")
+    ALLOCATORS[name] = cls
+
+
 def get_allocator(name: str | Allocator) -> Allocator:
     """An allocator instance from its registered name (``static``, ``proportional``, ``equal_finish``, ``lbb``,
-    and the learned ``dqn`` / ``auto`` of :mod:`hetero_plugins.scheduler`)."""
+    the learned ``dqn`` / ``auto`` of :mod:`hetero_plugins.scheduler`, and any added by
+    :func:`register_allocator`); an :class:`Allocator` instance passes through."""
     if isinstance(name, Allocator):
         return name
-    if name not in ALLOCATORS:  # the learned "dqn" / "auto" register themselves on import (issue 4)
-        import hetero_plugins.scheduler.policy  # noqa: F401
-    check_choice("allocator", name, list(ALLOCATORS))
+    if name not in ALLOCATORS:
+        raise ValueError(f"`allocator` must be one of {sorted(ALLOCATORS)}, got {name!r}. HINT: use one of these "
+                         "names, pass an Allocator instance, or register a class with register_allocator(name, cls).")
     return ALLOCATORS[name]()

@@ -1,20 +1,36 @@
-"""The embedded two-stage learned scheduler (issue 4), after Zhang, Geng, Ma, IEEE TPDS 2021.
+"""The embedded two-stage learned scheduler, after Zhang, Geng, Ma, IEEE TPDS 2021.
 
 - Stage 1 (LDWP): :class:`DQNAllocator` (``allocator="dqn"``) assigns chunks of the global batch to ranks
   with a pre-trained Double DQN; :class:`AutoAllocator` (``allocator="auto"``) falls back to
-  ``equal_finish`` whenever the DQN's plan is predicted slower.
+  ``equal_finish`` whenever the DQN's plan is predicted slower. Importing this package registers both
+  (``import hetero_plugins`` does), so every ``allocator=`` option takes them by name.
 - Stage 2 (IAWP): :class:`InterferencePredictor`, a NeuMF (He et al., WWW 2017) predicting co-runner
   slowdowns; :class:`Relocator` decides when moving ranks to free slots pays for a restart
-  (:mod:`~hetero_plugins.scheduler.relocation`; :func:`plan_relocation` is the restart-cost-free planner).
+  (:mod:`~hetero_plugins.scheduler.relocation`; :func:`plan_relocation` is its restart-cost-free form over one
+  list of slots, kept for compatibility).
 - :mod:`~hetero_plugins.scheduler.pretrain` and :mod:`~hetero_plugins.scheduler.transfer` build models on
   the simulator (:mod:`hetero_plugins.scheduler.sim`); shipped defaults live in ``models/`` and load by default.
+
+Modules: ``policy`` (the two allocators), ``dqn`` and ``features`` (the network and its inputs), ``ncf`` (the
+predictor), ``interference`` (its corrections of time lines), ``placement`` (best placement, equal-finish
+split), ``problem`` (the decision record), ``relocation`` (the relocator and its restart spec),
+``cluster_advisor`` (cluster context for the integrations), ``pretrain`` / ``transfer`` / ``commands``
+(training and the command line) and ``sim`` (the simulator).
 """
 
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
 from hetero_plugins.scheduler.features import FEATURE_SCHEMA_VERSION, FEATURES
-from hetero_plugins.scheduler.ncf import InterferencePredictor, RelocationPlan, plan_relocation, write_restart_spec
+from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
-from hetero_plugins.scheduler.relocation import Relocation, Relocator, resume_checkpoint, write_relocation_spec
+from hetero_plugins.scheduler.relocation import (
+    Relocation,
+    RelocationPlan,
+    Relocator,
+    plan_relocation,
+    resume_checkpoint,
+    write_relocation_spec,
+    write_restart_spec,
+)
 
 __all__ = [
     "FEATURES",

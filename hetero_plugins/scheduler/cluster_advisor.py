@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins.cluster import ClusterSource, ClusterView, HostsUnknown, read_cluster
+from hetero_plugins.scheduler.relocation import Relocator
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,6 @@ class ClusterAdvisor:
         if any(p is None for p in params):
             return None
         if self._relocator is None:
-            from hetero_plugins.scheduler.relocation import Relocator
-
             self._relocator = Relocator() if self.relocation is True else self.relocation
         decision = self._relocator.propose(
             devices=upcoming.devices, corunners=(measured or upcoming).corunners, next_corunners=upcoming.corunners,

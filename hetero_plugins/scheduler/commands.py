@@ -1,4 +1,4 @@
-"""``hetero-plugins simulate | pretrain | transfer``: the learned scheduler's command-line side (issue 4)."""
+"""``hetero-plugins simulate | pretrain | transfer``: the learned scheduler's command-line side."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
+from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracle, simulate
+from hetero_plugins.scheduler.transfer import transfer_dqn
+
 __all__ = ["compare", "pretrain_main", "simulate_main", "transfer_main"]
 
 DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
 
 def _allocators(text: str) -> list[str]:
-    from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
-
     names = [a.strip() for a in text.split(",") if a.strip()]
     if not names:
         raise SystemExit("--allocators is empty. HINT: e.g. --allocators equal_finish,dqn,auto")
@@ -23,7 +26,7 @@ def _allocators(text: str) -> list[str]:
         try:
             get_allocator(a)
         except ValueError as err:
-            raise SystemExit(f"--allocators: {err} Known: {sorted(ALLOCATORS)}.") from None
+            raise SystemExit(f"--allocators: {err}") from None  # the error lists the registered names
     return names
 
 
@@ -42,9 +45,6 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     first, measuring epoch (``steady_samples_per_s``: the oracle knows the true times from the start, every
     policy spends the first epoch on an equal split to measure them).
     """
-    from hetero_plugins.balancing.allocators import get_allocator
-    from hetero_plugins.scheduler.sim import load_scenario, oracle, simulate
-
     sc = load_scenario(scenario)
     alloc = get_allocator(policy)
     policy = policy if isinstance(policy, str) else alloc.name
@@ -84,11 +84,7 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     return out
 
 
-def simulate_main(argv: list[str] | None = None) -> int:
-    """Run a policy on a simulated cluster beside the oracle, the equal split and the best analytic allocator."""
-    from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
-    from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, simulate
-
+def _simulate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero-plugins simulate", description=simulate_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO",
                         help="same as --scenario (kept for compatibility)")
@@ -102,7 +98,12 @@ def simulate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relocate", action="store_true",
                         help="let the policy move ranks to free slots (stage 2: NCF-predicted lines, restart_cost per move)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def simulate_main(argv: list[str] | None = None) -> int:
+    """Run a policy on a simulated cluster beside the oracle, the equal split and the best analytic allocator."""
+    args = _simulate_parser().parse_args(argv)
     if args.scenario and args.scenario_pos and args.scenario != args.scenario_pos:
         print(f"error: two scenarios given ({args.scenario_pos!r} and --scenario {args.scenario!r}). "
               "HINT: give only --scenario.", file=sys.stderr)
@@ -116,33 +117,43 @@ def simulate_main(argv: list[str] | None = None) -> int:
     if args.epochs is not None and args.epochs < 1:
         print(f"error: `--epochs` must be >= 1, got {args.epochs}. HINT: e.g. --epochs 10", file=sys.stderr)
         return 2
-    if args.allocators is None:
-        try:
-            get_allocator(args.policy)
-        except ValueError:
-            print(f"error: `--policy` {args.policy!r} is not an allocator. HINT: use one of {sorted(ALLOCATORS)}.",
-                  file=sys.stderr)
-            return 2
-        out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
-        if args.json:
-            print(json.dumps(out, indent=2))
-            return 0
-        t = out["throughput"]
-        print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {out['epochs']} epochs, "
-              f"policy {args.policy}")
-        print("| run | samples/s (all epochs) | samples/s (after epoch 0) |")
-        print("|---|---|---|")
-        for label, key in (("policy " + args.policy, "policy"), ("oracle", "oracle"), ("equal split", "equal_split"),
-                           (f"best analytic ({t['best_analytic']['allocator']})", "best_analytic")):
-            print(f"| {label} | {t[key]['samples_per_s']:.0f} | {t[key]['steady_samples_per_s']:.0f} |")
-        r = out["ratios_steady"]
-        for m in out["relocations"]:
-            print(f"relocation before epoch {m['epoch']}: (rank, place) {m['moves']}, predicted "
-                  f"{100 * m['predicted_gain']:.1f}% faster steps")
-        print(f"policy / oracle {r['policy_vs_oracle']:.3f}, / equal split {r['policy_vs_equal_split']:.2f}x, "
-              f"/ best analytic {r['policy_vs_best_analytic']:.3f}; decision "
-              f"{out['decision_ms_per_epoch']['policy']:.2f} ms per epoch")
+    if args.allocators is not None:
+        return _simulate_allocators(sc, args)
+    try:
+        get_allocator(args.policy)
+    except ValueError:
+        print(f"error: `--policy` {args.policy!r} is not an allocator. HINT: use one of {sorted(ALLOCATORS)}.",
+              file=sys.stderr)
+        return 2
+    out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
+    if args.json:
+        print(json.dumps(out, indent=2))
         return 0
+    _print_comparison(sc, args.policy, out)
+    return 0
+
+
+def _print_comparison(sc: Any, policy: str, out: dict[str, Any]) -> None:
+    """The table of one :func:`compare` run."""
+    t = out["throughput"]
+    print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {out['epochs']} epochs, "
+          f"policy {policy}")
+    print("| run | samples/s (all epochs) | samples/s (after epoch 0) |")
+    print("|---|---|---|")
+    for label, key in (("policy " + policy, "policy"), ("oracle", "oracle"), ("equal split", "equal_split"),
+                       (f"best analytic ({t['best_analytic']['allocator']})", "best_analytic")):
+        print(f"| {label} | {t[key]['samples_per_s']:.0f} | {t[key]['steady_samples_per_s']:.0f} |")
+    r = out["ratios_steady"]
+    for m in out["relocations"]:
+        print(f"relocation before epoch {m['epoch']}: (rank, place) {m['moves']}, predicted "
+              f"{100 * m['predicted_gain']:.1f}% faster steps")
+    print(f"policy / oracle {r['policy_vs_oracle']:.3f}, / equal split {r['policy_vs_equal_split']:.2f}x, "
+          f"/ best analytic {r['policy_vs_best_analytic']:.3f}; decision "
+          f"{out['decision_ms_per_epoch']['policy']:.2f} ms per epoch")
+
+
+def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
+    """``simulate --allocators a,b,c``: one run per allocator, in one table."""
     results: dict[str, Any] = {}
     for a in _allocators(args.allocators):
         alloc = get_allocator(a)
@@ -174,8 +185,6 @@ def simulate_main(argv: list[str] | None = None) -> int:
 
 def pretrain_main(argv: list[str] | None = None) -> int:
     """Pre-train the stage-1 DQN and/or the stage-2 NCF on the simulator and write model files."""
-    from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
-
     parser = argparse.ArgumentParser(prog="hetero-plugins pretrain", description=pretrain_main.__doc__)
     parser.add_argument("--stage", choices=["dqn", "ncf", "both"], default="both")
     parser.add_argument("--out", default="scheduler_models", help="folder for dqn_v1.npz / ncf_v1.npz")
@@ -198,9 +207,6 @@ def pretrain_main(argv: list[str] | None = None) -> int:
 
 def transfer_main(argv: list[str] | None = None) -> int:
     """Fine-tune the DQN (default: the shipped one) for a new cluster scenario and write the model file."""
-    from hetero_plugins.scheduler.transfer import transfer_dqn
-    from hetero_plugins.scheduler.sim import load_scenario
-
     parser = argparse.ArgumentParser(prog="hetero-plugins transfer", description=transfer_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO", help="same as --scenario")
     parser.add_argument("--scenario", default=None, help="built-in scenario name or scenario JSON file of the new cluster")

@@ -3,7 +3,7 @@
 Zhang, Geng, Ma ("Learning-Driven Interference-Aware Workload Parallelization for Streaming Applications in
 Heterogeneous Cluster", IEEE TPDS 2021) schedule independent tasks onto nodes with a deep Q-network learned
 from cluster status and task features, pre-trained before it runs. The paper's state, action and reward
-are not public (see shared/research/seeds.md, section 1); this reconstruction follows DeepRM-style designs:
+are not public; this reconstruction follows DeepRM-style designs (Mao et al., HotNets 2016):
 
 - **Episode**: one planning decision. The global batch, less every rank's minimum, is cut into chunks that
   are assigned one at a time (tasks in order, as in the patent's task queue).

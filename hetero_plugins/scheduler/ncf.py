@@ -1,4 +1,4 @@
-"""Stage 2 (IAWP): a NeuMF interference predictor and the relocation plan it drives.
+"""Stage 2 (IAWP): a NeuMF interference predictor.
 
 Zhang, Geng, Ma (IEEE TPDS 2021) place co-executing subtasks with neural collaborative filtering. The
 equivalent used here is NeuMF (He et al., "Neural Collaborative Filtering", WWW 2017): a GMF branch (the
@@ -8,29 +8,24 @@ pair; the output, regressed with MSE, is the log of the slowdown ``t_corun / t_s
 Pre-training follows the NeuMF recipe: GMF and MLP are trained alone, then NeuMF is initialised from both
 with the two predictive layers weighted by ``alpha = 0.5`` and trained jointly.
 
-:func:`plan_relocation` then maps ranks to slots (a device with its current co-runner) to minimise the
-predicted equal-finish step time ``T = (B + sum a/beta) / sum 1/beta``: with small fixed costs that is
-maximising the summed predicted speed, a linear assignment whose optimum, all ranks running the same
-workload, is the set of fastest predicted slots.
+Its predictions reach the scheduler through
+:class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`: the learned allocators correct fitted
+time lines with them, and the :class:`~hetero_plugins.scheduler.relocation.Relocator` prices slots with them.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.scheduler.features import read_model, write_model
 
-__all__ = ["InterferencePredictor", "RelocationPlan", "plan_relocation", "write_restart_spec"]
+__all__ = ["InterferencePredictor"]
 
 DEFAULT_MODEL = "ncf_v1.npz"
 SOLO = "none"
@@ -193,95 +188,3 @@ class InterferencePredictor:
         p.meta = {k: v for k, v in meta.items() if k not in ("kind", "workloads", "devices", "corunners", "dim",
                                                                "tower", "schema_version", "features")}
         return p
-
-
-@dataclass(frozen=True)
-class RelocationPlan:
-    """Rank -> slot mapping with predicted step times (seconds) before and after."""
-
-    mapping: list[int]
-    current_step_time: float
-    predicted_step_time: float
-
-    @property
-    def predicted_gain(self) -> float:
-        """Relative predicted speed-up of relocating (0: keep the placement)."""
-        return self.current_step_time / self.predicted_step_time - 1.0 if self.predicted_step_time > 0 else 0.0
-
-    @property
-    def moves(self) -> list[tuple[int, int]]:
-        return [(r, s) for r, s in enumerate(self.mapping) if s != r]
-
-
-def plan_relocation(
-    predictor: InterferencePredictor,
-    workload: str,
-    slots: Sequence[Mapping[str, Any]],
-    world_size: int,
-    global_batch: int,
-    device_times: Mapping[str, tuple[float, float]],
-    current: Sequence[int] | None = None,
-    min_gain: float = 0.05,
-) -> RelocationPlan:
-    """Choose a slot per rank minimising the predicted equal-finish step time.
-
-    Args:
-        predictor: the stage-2 interference model.
-        workload: this job's workload type.
-        slots: candidate places, each ``{"device": type, "corunner": name or None}``; at least ``world_size``.
-        world_size: ranks to place.
-        global_batch: samples per step.
-        device_times: solo ``(intercept, slope)`` of the workload per device type.
-        current: each rank's current slot (default rank r on slot r).
-        min_gain: a relocation predicted to gain less than this keeps the current placement.
-    """
-    if len(slots) < world_size:
-        raise ValueError(f"`slots` has {len(slots)} entries for world_size={world_size}. HINT: give at least one slot per rank.")
-    current = list(range(world_size)) if current is None else [int(s) for s in current]
-    for s in slots:
-        if s.get("device") not in device_times:
-            raise ValueError(f"slot {dict(s)} names a device without solo times; `device_times` has {sorted(device_times)}. "
-                             "HINT: add its (intercept, slope).")
-    slow = predictor.predict_many([(workload, s["device"], s.get("corunner")) for s in slots])
-    a = np.array([device_times[s["device"]][0] for s in slots]) * slow
-    beta = np.array([device_times[s["device"]][1] for s in slots]) * slow
-    # Every rank runs the same workload, so the assignment problem's optimum is the world_size slots with
-    # the highest predicted speed (exact greedy, no Hungarian solve needed); ranks whose slot stays chosen
-    # keep it, the others take the freed slots.
-    speed = 1.0 / beta
-    occupied = set(current)
-    order = sorted(range(len(slots)), key=lambda s: (-speed[s], s not in occupied, s))
-    chosen = set(order[:world_size])
-    free = [s for s in order[:world_size] if s not in current]
-    mapping = [s if s in chosen else free.pop(0) for s in current]
-    t_cur = equal_finish_time(a[current], beta[current], global_batch)
-    t_new = equal_finish_time(a[mapping], beta[mapping], global_batch)
-    if t_cur / t_new - 1.0 < min_gain:
-        mapping, t_new = list(current), t_cur
-    return RelocationPlan(mapping, t_cur, t_new)
-
-
-def write_restart_spec(path: str | Path, plan: RelocationPlan, slots: Sequence[Mapping[str, Any]]) -> Path | None:
-    """Write a JSON restart spec for a relocation that gains; warn naming the predicted gain.
-
-    Returns the path, or ``None`` when the plan keeps every rank in place. Applying it (restarting ranks on
-    the new slots under torchrun / Horovod elastic) is left to the launcher.
-    """
-    if not plan.moves:
-        return None
-    path = Path(path)
-    spec = {
-        "predicted_gain": plan.predicted_gain,
-        "current_step_time_s": plan.current_step_time,
-        "predicted_step_time_s": plan.predicted_step_time,
-        "ranks": [{"rank": r, "slot": s, **dict(slots[s])} for r, s in enumerate(plan.mapping)],
-        "moves": [{"rank": r, "to_slot": s} for r, s in plan.moves],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spec, indent=2))
-    warnings.warn(
-        f"hetero_plugins: relocating {len(plan.moves)} rank(s) is predicted to make steps "
-        f"{100 * plan.predicted_gain:.1f}% faster; restart spec written to {str(path)!r}.",
-        RuntimeWarning, stacklevel=2,
-    )
-    return path

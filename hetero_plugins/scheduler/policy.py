@@ -1,7 +1,8 @@
 """The learned allocators: ``"dqn"`` (stage-1 DQN chunk assignment) and ``"auto"`` (DQN with a safety net).
 
-Both are :class:`~hetero_plugins.balancing.allocators.Allocator` subclasses, registered in
-:data:`~hetero_plugins.balancing.allocators.ALLOCATORS`, so every integration takes them by name::
+Both are :class:`~hetero_plugins.balancing.allocators.Allocator` subclasses that this module registers
+(:func:`~hetero_plugins.balancing.allocators.register_allocator`) when it is imported; ``import hetero_plugins``
+imports it, so every integration takes them by name::
 
     Trainer(strategy=HeteroDDPStrategy(allocator="auto"), devices=4)
 
@@ -17,6 +18,7 @@ split is decided, so the plan does not wait one epoch for the measurements to ca
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,122 +27,17 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.balancing.allocators import ALLOCATORS, Allocator, Bounds, _fallback_models
-from hetero_plugins.scheduler.dqn import QNetwork, assign
-from hetero_plugins.scheduler.features import DecisionContext
-from hetero_plugins.scheduler.sim import DecisionProblem
+from hetero_plugins.balancing.allocators import Allocator, Bounds, fitted_models, register_allocator
 from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork, assign
+from hetero_plugins.scheduler.features import DecisionContext
+from hetero_plugins.scheduler.interference import interference_correction
+from hetero_plugins.scheduler.placement import equal_finish_plan
+from hetero_plugins.scheduler.problem import DecisionProblem
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AutoAllocator", "DQNAllocator", "InterferenceCorrection", "equal_finish_plan"]
-
-
-def equal_finish_plan(intercept: np.ndarray, slope: np.ndarray, global_batch: int, min_batch: np.ndarray,
-                      max_batch: np.ndarray) -> np.ndarray:
-    """Makespan-optimal integer split for linear times ``a_i + beta_i * b_i`` (vectorised, O(60 N)).
-
-    The same objective as :class:`~hetero_plugins.balancing.allocators.EqualFinishAllocator` (closed-form equal finish
-    plus makespan-optimal rounding), solved directly: bisection on the step time ``T`` for the smallest ``T``
-    at which the samples every rank can finish by ``T``, ``clip(floor((T - a_i) / beta_i), lo_i, hi_i)``, cover
-    the global batch; the few surplus samples (ties) leave the ranks that finish last. Ties may be broken
-    differently from ``EqualFinishAllocator``; the predicted makespan is never larger.
-    """
-    a = np.asarray(intercept, dtype=np.float64)
-    beta = np.maximum(np.asarray(slope, dtype=np.float64), 1e-12)
-    lo = np.asarray(min_batch, dtype=np.float64)
-    hi = np.asarray(max_batch, dtype=np.float64)
-
-    def count(t: float) -> np.ndarray:
-        return np.clip(np.floor((t - a) / beta + 1e-9), lo, hi)
-
-    t_lo, t_hi = 0.0, float(np.max(a + beta * hi))
-    for _ in range(64):
-        mid = 0.5 * (t_lo + t_hi)
-        if count(mid).sum() >= global_batch:
-            t_hi = mid
-        else:
-            t_lo = mid
-        if t_hi - t_lo <= 1e-12 * max(t_hi, 1e-12):
-            break
-    b = count(t_hi)
-    surplus = int(b.sum()) - int(global_batch)
-    while surplus > 0:  # ties at the threshold: the ranks whose last sample finishes latest give one back
-        t = a + beta * b
-        t[b <= lo] = -np.inf
-        k = min(surplus, int(np.isfinite(t).sum()))
-        idx = np.argpartition(-t, k - 1)[:k]
-        b[idx] -= 1
-        surplus -= k
-    return b.astype(np.int64)
-
-
-class InterferenceCorrection:
-    """Stage 2 feeding stage 1: scale fitted time lines by the NCF's predicted co-runner slowdown ratio.
-
-    A rank's fitted line was measured beside its co-runner of the last epoch (``corunners``); when the
-    context says another co-runner runs beside it in the next epoch (``next_corunners``: an arrival, a
-    departure or a change), its intercept and slope are multiplied by
-    ``NCF(workload, device, next) / NCF(workload, device, measured)``. Only co-runner *identities* are used,
-    as a cluster manager knows them; the slowdown itself is the NCF's prediction (pre-trained on its own
-    table, see :mod:`hetero_plugins.scheduler.pretrain`). Names the predictor does not know leave the line
-    unchanged (logged once each).
-
-    Args:
-        predictor: an :class:`~hetero_plugins.scheduler.ncf.InterferencePredictor`, a model file, or
-            ``None`` for the shipped default (loaded on first use).
-    """
-
-    def __init__(self, predictor: Any = None) -> None:
-        self._source = predictor
-        self._predictor: Any = None if predictor is None or isinstance(predictor, (str, Path)) else predictor
-        self._cache: dict[tuple[str, str, str | None], float | None] = {}
-        self.corrections = 0  #: ranks whose line was corrected so far
-
-    def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
-        """The predicted slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one; ``None``
-        when the predictor does not know a name)."""
-        key = (workload, device, corunner)
-        if key not in self._cache:
-            if corunner is None:
-                self._cache[key] = 1.0
-            else:
-                if self._predictor is None:
-                    from hetero_plugins.scheduler.ncf import InterferencePredictor
-
-                    self._predictor = InterferencePredictor.load(self._source)  # type: ignore[arg-type]
-                try:
-                    self._cache[key] = float(self._predictor.predict(workload, device, corunner))
-                except ValueError as err:
-                    log.info("interference correction skipped for %s: %s", key, err)
-                    self._cache[key] = None
-        return self._cache[key]
-
-    def factors(self, workload: str, devices: Sequence[str], measured: Sequence[str | None],
-                upcoming: Sequence[str | None]) -> np.ndarray:
-        """Per-rank multipliers of the fitted lines (1 where nothing changes or a name is unknown)."""
-        out = np.ones(len(devices))
-        for i, (d, c0, c1) in enumerate(zip(devices, measured, upcoming)):
-            if c0 == c1:
-                continue
-            s0, s1 = self.slowdown(workload, d, c0), self.slowdown(workload, d, c1)
-            if s0 is not None and s1 is not None and s0 > 0:
-                out[i] = s1 / s0
-                self.corrections += 1
-        return out
-
-
-def _interference(value: Any) -> InterferenceCorrection | None:
-    if value is False or value is None:
-        return None
-    if value is True:
-        return InterferenceCorrection()
-    if isinstance(value, InterferenceCorrection):
-        return value
-    if isinstance(value, (str, Path)) or hasattr(value, "predict"):
-        return InterferenceCorrection(value)
-    raise ValueError(f"`interference`={value!r} is not usable. HINT: pass True (the shipped NCF), False (no "
-                     "correction), an InterferencePredictor or the path of an NCF model file.")
+__all__ = ["AutoAllocator", "DQNAllocator"]
 
 
 class DQNAllocator(Allocator):
@@ -157,8 +54,8 @@ class DQNAllocator(Allocator):
         online_updates, online_lr, online_max_ranks, seed: online learning's budget per decision, learning
             rate, size limit and seed.
         interference: stage 2 (IAWP): ``True`` corrects the fitted lines of ranks whose co-runner changes
-            with the shipped NCF (:class:`InterferenceCorrection`), ``False`` turns it off; an
-            ``InterferencePredictor`` or an NCF model file uses that predictor. It acts only when
+            with the shipped NCF (:class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`),
+            ``False`` turns it off; an ``InterferencePredictor`` or an NCF model file uses that predictor. It acts only when
             :meth:`set_context` names co-runners (the simulator does; Lightning runs do with ``cluster=``).
 
     Extra telemetry reaches the features through :meth:`set_context`; slopes are remembered between calls
@@ -186,7 +83,7 @@ class DQNAllocator(Allocator):
         self.online_lr = check_float("online_lr", online_lr, minimum=0.0)
         self.online_max_ranks = check_int("online_max_ranks", online_max_ranks, minimum=1)
         self.seed = int(seed)
-        self.correction = _interference(interference)
+        self.correction = interference_correction(interference)
         self._prev_slope: np.ndarray | None = None
         self._utilisation: np.ndarray | None = None
         self._data: np.ndarray | None = None
@@ -204,12 +101,8 @@ class DQNAllocator(Allocator):
         The problem joins a small replay of recent decisions; episodes run on it and on older ones until
         ``updates`` (default ``online_updates``) minibatch updates are done. Returns the updates made.
         """
-        import time
-
         t0 = time.perf_counter()
         if self._trainer is None:
-            from hetero_plugins.scheduler.dqn import DQNTrainer
-
             self._trainer = DQNTrainer(net=self.net, lr=self.online_lr, gamma=0.3, batch_size=32, target_sync=50,
                                        eps_start=0.1, eps_end=0.05, eps_decay=50, chunks_per_rank=4, seed=self.seed)
         tr = self._trainer
@@ -297,7 +190,7 @@ class DQNAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = _fallback_models(models)
+        fitted = fitted_models(models)
         n = bounds.world_size
         self._factors = self._take_factors(n)
         if fitted is None:
@@ -332,8 +225,9 @@ class AutoAllocator(Allocator):
     Both plans come from the same time lines (the fitted ones with the stage-2 co-runner corrections of
     :class:`DQNAllocator`) and are scored by the same prediction, max_i(a_i + beta_i b_i + data_i) with the
     data times known through :meth:`set_context`; the DQN's plan is kept when its predicted step time is at
-    most ``(1 + tolerance)`` times the equal-finish plan's (:func:`equal_finish_plan`, the objective of
-    ``equal_finish``, vectorised). ``last_choice`` says which won. Without co-runner context the fallback is
+    most ``(1 + tolerance)`` times the equal-finish plan's
+    (:func:`~hetero_plugins.scheduler.placement.equal_finish_plan`, the objective of ``equal_finish``,
+    vectorised). ``last_choice`` says which won. Without co-runner context the fallback is
     ``equal_finish``'s plan on the fitted lines (same makespan).
 
     Args:
@@ -367,7 +261,7 @@ class AutoAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         proposal = self.dqn.allocate(models, global_batch, bounds, current)
-        fitted = _fallback_models(models)
+        fitted = fitted_models(models)
         if fitted is None:
             self.last_choice = "equal_finish"
             return proposal  # both keep the current plan or split equally
@@ -390,5 +284,5 @@ class AutoAllocator(Allocator):
         return self.predict_makespan(models, plan)
 
 
-ALLOCATORS.setdefault("dqn", DQNAllocator)
-ALLOCATORS.setdefault("auto", AutoAllocator)
+register_allocator("dqn", DQNAllocator)
+register_allocator("auto", AutoAllocator)

@@ -1,6 +1,6 @@
 """Pre-training of both stages on simulated clusters (the paper pre-trains both stages before running online).
 
-Stage 1 (LDWP, the DQN) learns from :class:`~hetero_plugins.scheduler.sim.DecisionProblem` episodes drawn from random
+Stage 1 (LDWP, the DQN) learns from :class:`~hetero_plugins.scheduler.problem.DecisionProblem` episodes drawn from random
 heterogeneous clusters (device mixes, memory caps, input-pipeline time, ramps, speed changes, co-runners);
 stage 2 (IAWP, the NCF) from a slowdown table sampled the same way. Zhang, Geng, Ma, IEEE TPDS 2021.
 """
@@ -13,10 +13,12 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins.balancing.allocators import Bounds, EqualFinishAllocator
+from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork, assign
 from hetero_plugins.scheduler.features import DecisionContext
-from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, DecisionProblem, decision_problems
-from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.scheduler.ncf import InterferencePredictor
+from hetero_plugins.scheduler.problem import DecisionProblem
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, decision_problems
 
 __all__ = ["dqn_plan", "evaluate_dqn", "pretrain_dqn", "random_scenario", "training_problems"]
 
@@ -41,7 +43,7 @@ def evaluate_dqn(net: QNetwork, problems: list[DecisionProblem]) -> float:
 
 
 def random_scenario(rng: np.random.Generator, max_world: int = 16) -> dict[str, Any]:
-    """A random heterogeneous cluster scenario (the issue's JSON schema) for pre-training."""
+    """A random heterogeneous cluster scenario (the scenario JSON schema) for pre-training."""
     base = BUILTIN_SCENARIOS["paper_mix"]
     types = list(base["devices"])
     world = int(rng.integers(2, max_world + 1))
@@ -150,8 +152,6 @@ def slowdown_table(workloads: list[str] | None = None, corunners: list[str] | No
 def pretrain_ncf(seconds: float = 20.0, seed: int = 0, out: str | Path | None = None,
                  holdout: float = 0.25) -> tuple[Any, dict[str, Any]]:
     """Pre-train the stage-2 NeuMF on the synthetic slowdown table; report held-out error vs baselines."""
-    from hetero_plugins.scheduler.ncf import InterferencePredictor
-
     rows = slowdown_table(seed=seed)
     rng = np.random.default_rng(seed)
     idx = rng.permutation(len(rows))

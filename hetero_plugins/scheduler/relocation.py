@@ -6,16 +6,23 @@ on a device, so ranks can be placed on the slots that run it fastest. :class:`Re
 can decide at an epoch boundary from what it knows there:
 
 - each rank's fitted time line, measured beside its co-runner of the epoch just run, scaled to the co-runner
-  placed beside it for the next epoch (``NCF(next) / NCF(measured)``, as :class:`InterferenceCorrection`);
+  placed beside it for the next epoch (``NCF(next) / NCF(measured)``, as
+  :class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`);
 - a solo line per device type, from the ranks of that type with their co-runner's predicted slowdown divided
   out (the median over those ranks): the time model of a rank on a slot it has never run on;
 - the free slots (device type and co-runner).
 
-It picks the placement with the shortest predicted equal-finish step time (:func:`hetero_plugins.scheduler.sim.best_placement`)
-and moves ranks only when the seconds saved over the next ``horizon_epochs`` epochs exceed ``restart_cost``
-and the step time drops by at least ``min_gain``. The decision is framework-free; the simulator applies it
-(``simulate(..., relocation=True)``) and :class:`~hetero_plugins.callbacks.BatchBalancer` writes it as a
-restart spec (:func:`~hetero_plugins.scheduler.ncf.write_restart_spec`).
+It picks the placement with the shortest predicted equal-finish step time
+(:func:`~hetero_plugins.scheduler.placement.best_placement`) and moves ranks only when the seconds saved over
+the next ``horizon_epochs`` epochs exceed ``restart_cost`` and the step time drops by at least ``min_gain``.
+The decision is framework-free; the simulator applies it (``simulate(..., relocation=True)``) and the
+integrations write it as a restart spec (:func:`write_relocation_spec`), which they read back after a restart
+(:func:`read_relocation_spec`, :func:`resume_checkpoint`).
+
+This is the only relocation planner and the only spec format. :func:`plan_relocation`,
+:class:`RelocationPlan` and :func:`write_restart_spec` are the older entry points over one list of slots with
+known solo times per device type; they are kept as thin functions over :class:`Relocator` and
+:func:`write_relocation_spec`.
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
+from hetero_plugins.scheduler.interference import InterferenceCorrection, interference_correction
+from hetero_plugins.scheduler.ncf import InterferencePredictor
+from hetero_plugins.scheduler.placement import best_placement
 
-__all__ = ["Relocation", "Relocator", "read_relocation_spec", "resume_checkpoint", "torchelastic_restarts",
-           "write_relocation_spec"]
+__all__ = ["Relocation", "RelocationPlan", "Relocator", "plan_relocation", "read_relocation_spec",
+           "resume_checkpoint", "torchelastic_restarts", "write_relocation_spec", "write_restart_spec"]
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,8 @@ class Relocator:
 
     def __init__(self, predictor: Any = None, workload: str = "training", min_gain: float = 0.05,
                  restart_cost: float = 60.0, horizon_epochs: int = 3) -> None:
-        from hetero_plugins.scheduler.policy import InterferenceCorrection, _interference
-
-        self.correction: InterferenceCorrection = _interference(True if predictor is None else predictor)  # type: ignore[assignment]
+        self.correction: InterferenceCorrection = interference_correction(  # type: ignore[assignment]
+            True if predictor is None else predictor)
         if not isinstance(workload, str) or not workload:
             raise ValueError(f"`workload`={workload!r} is invalid. HINT: use a workload name such as 'training'.")
         self.workload = workload
@@ -134,6 +143,7 @@ class Relocator:
         epochs_left: int,
         data: Sequence[float] | None = None,
         workload: str | None = None,
+        solo: Mapping[str, tuple[float, float]] | None = None,
     ) -> Relocation:
         """The best placement of the ranks over their own and the free slots, or "stay".
 
@@ -148,9 +158,9 @@ class Relocator:
             epochs_left: epochs left in the run.
             data: each rank's measured data seconds per step outside the compute window (stays with the slot).
             workload: overrides the relocator's workload.
+            solo: per device type, the solo ``(intercept, slope)`` free slots are priced from; default
+                :meth:`solo_lines` of the ranks (then a device type no rank runs on is unknown).
         """
-        from hetero_plugins.scheduler.sim import best_placement
-
         n = len(devices)
         if not (len(corunners) == len(next_corunners) == len(lines) == n) or (data is not None and len(data) != n):
             raise ValueError(f"`devices`, `corunners`, `next_corunners`, `lines` (and `data`) need one entry per rank; "
@@ -162,10 +172,16 @@ class Relocator:
         factors = self.correction.factors(workload or self.workload, devices, corunners, next_corunners)
         own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
                for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
-        solo = self.solo_lines(devices, corunners, lines, workload)
-        candidates = list(own)
-        slot_of: list[int | None] = [None] * n
-        unknown = []
+        if solo is None:
+            solo = self.solo_lines(devices, corunners, lines, workload)
+        incoming, unknown = self._free_places(free_slots, solo, workload)
+        horizon = min(int(epochs_left), self.horizon_epochs) * int(steps_per_epoch)
+        return self._choose(own, incoming, unknown, global_batch, horizon)
+
+    def _free_places(self, free_slots: Sequence[Mapping[str, Any]], solo: Mapping[str, tuple[float, float]],
+                     workload: str | None) -> tuple[list[dict[str, Any]], list[int]]:
+        """The free slots priced from the solo lines (each with its ``free_slot`` index), and those that cannot be."""
+        priced, unknown = [], []
         for k, slot in enumerate(free_slots):
             d, c = slot.get("device"), slot.get("corunner")
             s = self.slowdown(d, c, workload) if d in solo else None  # type: ignore[arg-type]
@@ -173,15 +189,21 @@ class Relocator:
                 unknown.append(k)
                 continue
             a, b = solo[d]  # type: ignore[index]
-            candidates.append({"intercept": a * s, "slope": b * s, "data": float(slot.get("data", 0.0) or 0.0),
-                               "rank": None, "free_slot": k})
-            slot_of.append(k)
+            priced.append({"intercept": a * s, "slope": b * s, "data": float(slot.get("data", 0.0) or 0.0),
+                           "rank": None, "free_slot": k})
+        return priced, unknown
+
+    def _choose(self, own: list[dict[str, Any]], incoming: list[dict[str, Any]], unknown: list[int],
+                global_batch: int, horizon: int) -> Relocation:
+        """The decision over the ranks' own places and the priced free ones (``horizon``: steps a move pays over)."""
+        n = len(own)
+        candidates = own + incoming
         keep_lines = [(x["intercept"], x["slope"]) for x in own]
         fixed = np.array([x["intercept"] + x["data"] for x in own])
         slope = np.maximum(np.array([x["slope"] for x in own]), 1e-12)
         t_cur = equal_finish_time(fixed, slope, global_batch)
-        stay = Relocation([None] * n, keep_lines, t_cur, t_cur, 0.0, len(candidates) - n, unknown)
-        if len(candidates) == n:
+        stay = Relocation([None] * n, keep_lines, t_cur, t_cur, 0.0, len(incoming), unknown)
+        if not incoming:
             return stay
         # A free slot must beat a rank's own place by min_gain to be chosen, so a restart never moves a rank
         # to a slot of the same kind on fitting noise; the gain is then measured on the unpenalised lines.
@@ -191,20 +213,19 @@ class Relocator:
         c_fixed = np.array([candidates[k]["intercept"] + candidates[k]["data"] for k in chosen])
         c_slope = np.maximum(np.array([candidates[k]["slope"] for k in chosen]), 1e-12)
         t_new = equal_finish_time(c_fixed, c_slope, global_batch)
-        horizon = min(int(epochs_left), self.horizon_epochs) * int(steps_per_epoch)
         saved = (t_cur - t_new) * horizon - self.restart_cost
         if t_cur / t_new - 1.0 < self.min_gain or saved <= 0:
             return stay
-        incoming = [k for k in chosen if k >= n]
+        movers = [candidates[k] for k in chosen if k >= n]
         targets: list[int | None] = [None] * n
         new_lines = list(keep_lines)
         for i in range(n):
             if i not in chosen:
-                k = incoming.pop(0)
-                targets[i] = slot_of[k]
-                new_lines[i] = (candidates[k]["intercept"], candidates[k]["slope"])
+                slot = movers.pop(0)
+                targets[i] = slot["free_slot"]
+                new_lines[i] = (slot["intercept"], slot["slope"])
         self.relocations += 1
-        return Relocation(targets, new_lines, t_cur, t_new, float(saved), len(candidates) - n, unknown)
+        return Relocation(targets, new_lines, t_cur, t_new, float(saved), len(incoming), unknown)
 
 
 def torchelastic_restarts() -> tuple[str, int, int] | None:
@@ -280,3 +301,118 @@ def resume_checkpoint(path: str | Path = "hetero_restart.json") -> str | None:
     if spec.get("run_id") != run or count <= int(spec.get("restart_count", count)):
         return None
     return str(spec["checkpoint"]) if Path(spec["checkpoint"]).is_file() else None
+
+
+@dataclass(frozen=True)
+class RelocationPlan:
+    """:func:`plan_relocation`'s result: a :class:`Relocation` over one list of slots, read as rank -> slot.
+
+    Attributes:
+        decision: the :class:`Relocator`'s decision; its free-slot indices count the entries of ``free``.
+        current: each rank's slot before.
+        free: the slots no rank held, in order.
+    """
+
+    decision: Relocation
+    current: list[int]
+    free: list[int]
+
+    @property
+    def mapping(self) -> list[int]:
+        """Each rank's slot after the decision."""
+        return [c if t is None else self.free[t] for c, t in zip(self.current, self.decision.targets)]
+
+    @property
+    def current_step_time(self) -> float:
+        """Predicted equal-finish step time of the current placement (seconds)."""
+        return self.decision.current_step_time
+
+    @property
+    def predicted_step_time(self) -> float:
+        """Predicted equal-finish step time after the moves (seconds)."""
+        return self.decision.step_time
+
+    @property
+    def predicted_gain(self) -> float:
+        """Relative predicted speed-up of relocating (0: keep the placement)."""
+        return self.decision.predicted_gain
+
+    @property
+    def moves(self) -> list[tuple[int, int]]:
+        """``(rank, slot)`` of each rank that changes slot."""
+        return [(r, s) for r, (s, c) in enumerate(zip(self.mapping, self.current)) if s != c]
+
+
+def plan_relocation(
+    predictor: InterferencePredictor | str | Path | None,
+    workload: str,
+    slots: Sequence[Mapping[str, Any]],
+    world_size: int,
+    global_batch: int,
+    device_times: Mapping[str, tuple[float, float]],
+    current: Sequence[int] | None = None,
+    min_gain: float = 0.05,
+) -> RelocationPlan:
+    """Choose a slot per rank minimising the predicted equal-finish step time, with no restart cost.
+
+    A thin function over :meth:`Relocator.propose` for callers that know each device type's solo time line
+    and hold every place in one list: each rank's line is its slot's solo line times the NCF's predicted
+    slowdown beside the slot's co-runner, the slots no rank holds are the free ones, and a move pays when the
+    predicted step time drops by at least ``min_gain`` (a free slot must beat a rank's own place by
+    ``min_gain``, as in the :class:`Relocator`). A slot's optional ``data`` (seconds per step outside the
+    compute window) counts as in the :class:`Relocator`.
+
+    Args:
+        predictor: the stage-2 interference model (or a model file; ``None``: the shipped one).
+        workload: this job's workload type.
+        slots: candidate places, each ``{"device": type, "corunner": name or None}``; at least ``world_size``.
+        world_size: ranks to place.
+        global_batch: samples per step.
+        device_times: solo ``(intercept, slope)`` of the workload per device type.
+        current: each rank's current slot (default rank r on slot r).
+        min_gain: a relocation predicted to gain less than this keeps the current placement.
+
+    Raises:
+        ValueError: too few slots, a bad ``current``, a device without solo times, or a name the predictor
+            does not know.
+    """
+    check_int("world_size", world_size, minimum=1)
+    if len(slots) < world_size:
+        raise ValueError(f"`slots` has {len(slots)} entries for world_size={world_size}. "
+                         "HINT: give at least one slot per rank.")
+    current = list(range(world_size)) if current is None else [int(s) for s in current]
+    if len(current) != world_size or len(set(current)) != world_size or not all(0 <= s < len(slots) for s in current):
+        raise ValueError(f"`current`={current} must name {world_size} distinct slots in [0, {len(slots) - 1}]. "
+                         "HINT: give each rank's slot index, or leave it None (rank r on slot r).")
+    for s in slots:
+        if s.get("device") not in device_times:
+            raise ValueError(f"slot {dict(s)} names a device without solo times; `device_times` has "
+                             f"{sorted(device_times)}. HINT: add its (intercept, slope).")
+    relocator = Relocator(predictor, workload=workload, min_gain=min_gain, restart_cost=0.0, horizon_epochs=1)
+    slowdown: list[float] = []
+    for s in slots:
+        f = relocator.slowdown(s["device"], s.get("corunner"))
+        if f is None:
+            raise ValueError(f"the predictor does not know slot {dict(s)} (workload {workload!r}). "
+                             "HINT: use `hetero-plugins transfer` to extend it to new names.")
+        slowdown.append(f)
+    free = [k for k in range(len(slots)) if k not in set(current)]
+    mine = [slots[k] for k in current]
+    corunners = [s.get("corunner") for s in mine]
+    decision = relocator.propose(
+        devices=[s["device"] for s in mine], corunners=corunners, next_corunners=corunners,
+        lines=[(device_times[s["device"]][0] * slowdown[k], device_times[s["device"]][1] * slowdown[k])
+               for s, k in zip(mine, current)],
+        free_slots=[slots[k] for k in free], global_batch=global_batch, steps_per_epoch=1, epochs_left=1,
+        data=[float(s.get("data", 0.0) or 0.0) for s in mine], solo=device_times)
+    return RelocationPlan(decision, current, free)
+
+
+def write_restart_spec(path: str | Path, plan: RelocationPlan, slots: Sequence[Mapping[str, Any]]) -> Path | None:
+    """Write a :func:`plan_relocation` result as a restart spec; warn naming the predicted gain.
+
+    A thin function over :func:`write_relocation_spec` (the one spec format, the one the integrations read):
+    the ranks' own places are their current ``slots``, the free slots the others. Returns the path, or
+    ``None`` when the plan keeps every rank in place.
+    """
+    return write_relocation_spec(path, plan.decision, [slots[k] for k in plan.current], [slots[k] for k in plan.free])

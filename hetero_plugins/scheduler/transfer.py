@@ -1,7 +1,7 @@
 """Transfer learning: rebuild the scheduler for a new cluster starting from an existing model.
 
 The seed paper (Zhang, Geng, Ma, IEEE TPDS 2021) rebuilds its scheduling model for a new cluster by
-transfer learning; the recipe is not public, so this is the usual equivalent (shared/research/seeds.md):
+transfer learning; the recipe is not public, so this is the usual equivalent:
 
 - DQN: copy the weights. The scorer is shared across ranks, so a different rank count needs no new output
   head. Fine-tune on the new cluster's decisions with the lower layers frozen for the first
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
 from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.pretrain import evaluate_dqn
@@ -47,8 +48,6 @@ def transfer_dqn(
     on held-out *test* decisions (lower is better), plus the validation history.
     """
     import torch
-
-    from hetero_plugins._validation import check_float, check_int
 
     check_float("seconds", seconds, minimum=0.0, strict_minimum=True, hint="give a positive budget, e.g. 20")
     check_float("freeze_fraction", freeze_fraction, minimum=0.0, maximum=1.0, hint="e.g. 0.3")

@@ -1,0 +1,357 @@
+"""The planner in the simulated loop: :func:`simulate`, the :func:`oracle`, and :func:`decision_problems` for
+pre-training the DQN."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins.balancing.allocators import Allocator, Bounds, EqualFinishAllocator, get_allocator
+from hetero_plugins.balancing.planner import BalancePlanner
+from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.metrics import straggler_level
+from hetero_plugins.scheduler.placement import best_placement
+from hetero_plugins.scheduler.problem import DecisionProblem
+from hetero_plugins.scheduler.relocation import Relocator
+from hetero_plugins.scheduler.sim.cluster import ClusterSim
+from hetero_plugins.scheduler.sim.scenario import Scenario
+
+__all__ = ["decision_problems", "oracle", "simulate"]
+
+
+def simulate(
+    scenario: Scenario | str | Path | Mapping[str, Any],
+    allocator: str | Allocator = "equal_finish",
+    epochs: int | None = None,
+    seed: int | None = None,
+    min_gain: float = 0.03,
+    telemetry: bool = True,
+    relocation: Any = None,
+) -> dict[str, Any]:
+    """Run the balancing loop (:class:`~hetero_plugins.balancing.planner.BalancePlanner`) against the simulated cluster.
+
+    Every epoch runs ``steps_per_epoch`` steps under the current plan; the planner observes the measured
+    compute times (data time is outside its window, as in :class:`~hetero_plugins.callbacks.BatchBalancer`)
+    and plans the next epoch. With ``telemetry``, allocators with a ``set_context`` method also get, before
+    each decision, what a real scheduler can observe at that epoch boundary: per-rank ``utilisation`` by other
+    processes and ``data`` seconds per step (both measured in the epoch just run), each rank's ``devices``
+    type, the ``corunners`` it ran beside in that epoch and the ``next_corunners`` placed beside it for the
+    next epoch (co-runner *identities*, as a cluster manager knows them; never their slowdowns, which stay
+    hidden in the scenario's ``interference`` table). ``telemetry=False`` simulates a run that passes none.
+
+    ``relocation`` (stage 2 applied; ``True`` for a default
+    :class:`~hetero_plugins.scheduler.relocation.Relocator` with the scenario's ``restart_cost``, or a
+    ``Relocator``): at each epoch boundary the relocator may move ranks to free places (the free slots, and
+    places that relocated ranks left); the moved ranks start the next epoch from the NCF-predicted time line
+    of their new place, that epoch pays ``restart_cost`` seconds, and a rank that joins starts from the
+    NCF-predicted line of its device instead of a survivor's. Events (co-runners, speed changes, ramps) belong
+    to places: a rank that leaves a place leaves its co-runner behind.
+
+    Ranks lost or added by events restart the planner at the epoch boundary (survivors keep their time
+    models). Every step also pays the scenario's ring all-reduce time. The planner's damping gate
+    (``min_gain``) uses the allocator's ``predict_makespan`` where it has one (see
+    :meth:`~hetero_plugins.balancing.planner.BalancePlanner.predict_step_time`).
+
+    Returns:
+        dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
+        (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``world_sizes``, ``restarts``,
+        ``relocations`` (per relocation: epoch and moves), ``placements`` (each rank's place per epoch) and
+        ``decision_ms`` (mean wall time of one planning call).
+    """
+    run = _Loop(ClusterSim(scenario, seed=seed), allocator, epochs, min_gain, telemetry, relocation)
+    for e in range(run.epochs):
+        run.epoch(e)
+    return run.result()
+
+
+class _Loop:
+    """The state of one :func:`simulate` run, advanced one epoch at a time.
+
+    Ranks run on *places*: place ``r < world_size`` is rank r's own, the others the scenario's free slots.
+    """
+
+    def __init__(self, sim: ClusterSim, allocator: str | Allocator, epochs: int | None, min_gain: float,
+                 telemetry: bool, relocation: Any) -> None:
+        self.sim = sim
+        self.sc = sc = sim.scenario
+        self.epochs = sc.epochs if epochs is None else int(epochs)
+        self.min_gain = min_gain
+        self.alloc = alloc = get_allocator(allocator) if isinstance(allocator, str) else allocator
+        self.context = telemetry and hasattr(alloc, "set_context")
+        self.relocator: Any = relocation
+        if relocation is True:
+            self.relocator = Relocator(workload=sc.workload, restart_cost=sc.restart_cost)
+        elif relocation is False:
+            self.relocator = None
+        self.pdev, self.pcaps = sim.place_devices(), sim.place_caps()
+        self.where: dict[int, int] = {}  # rank -> place
+        self.planner: BalancePlanner | None = None
+        self.members: np.ndarray | None = None
+        self.measured_co: dict[int, str | None] = {}  # co-runner under which each rank's time model was measured
+        self.measured_data: dict[int, float] = {}
+        self.epoch_times: list[float] = []
+        self.plans: list[list[int]] = []
+        self.levels: list[float] = []
+        self.decide: list[float] = []
+        self.worlds: list[int] = []
+        self.placements: list[list[int]] = []
+        self.moves_log: list[dict[str, Any]] = []
+        self.restarts = 0
+        self.pending_cost = 0.0
+
+    def set_context(self, **context: Any) -> None:
+        """Pass what is observable at this boundary to the allocator (when it takes context and telemetry is on)."""
+        if self.context:
+            self.alloc.set_context(workload=self.sc.workload, **context)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- one epoch
+    def epoch(self, e: int) -> None:
+        """Membership, the epoch's steps, the planner's decision, then relocation for the next epoch."""
+        act = self.sim.active(e)
+        if self.members is None or not np.array_equal(act, self.members):
+            self.planner, self.members = self.restart(e, act), act
+        here = np.array([self.where[int(r)] for r in act], dtype=np.int64)
+        total, records, d_p = self.run_steps(e, act, here)
+        co_now, co_next = self.sim.place_corunners(e), self.sim.place_corunners(e + 1)
+        self.measured_co = {int(r): co_now[p] for r, p in zip(act, here)}
+        self.measured_data = {int(r): float(d) for r, d in zip(act, records[:, :, 2].mean(axis=1))}
+        mult = self.sim.place_multipliers(e)[here] if self.context else None
+        self.set_context(utilisation=None if mult is None else list(1.0 - 1.0 / mult),
+                         data=list(records[:, :, 2].mean(axis=1)), devices=[self.pdev[p] for p in here],
+                         corunners=[co_now[p] for p in here], next_corunners=[co_next[p] for p in here])
+        assert self.planner is not None
+        t0 = time.perf_counter()
+        self.planner.end_epoch(e, records, epoch_time=total, memory_caps=[self.pcaps[p] for p in here])
+        self.decide.append(time.perf_counter() - t0)
+        if self.relocator is not None and e + 1 < self.epochs and np.array_equal(self.sim.active(e + 1), act) \
+                and all(p is not None for p in self.planner.model_params()):
+            self.relocate(e, act, here, records, d_p, co_now, co_next)
+
+    def run_steps(self, e: int, act: np.ndarray, here: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """The epoch's steps under the current plan: its seconds, the step records and the places' data times."""
+        sim, sc = self.sim, self.sc
+        assert self.planner is not None
+        comm = sim.allreduce_time(len(act))
+        plan = list(self.planner.plan)
+        self.plans.append(plan)
+        self.worlds.append(len(act))
+        self.placements.append([int(p) for p in here])
+        a_p, b_p, d_p = sim.place_params(e)
+        records = np.zeros((len(act), sc.steps_per_epoch, 3))
+        total, self.pending_cost = self.pending_cost, 0.0
+        planv = np.asarray(plan, dtype=np.float64)
+        for s in range(sc.steps_per_epoch):
+            compute = (a_p[here] + b_p[here] * planv) * sim.place_noise(e, s)[here]
+            data = d_p[here]
+            records[:, s, 0] = plan
+            records[:, s, 1] = compute
+            records[:, s, 2] = data
+            total += float(np.max(compute + data)) + comm
+        self.epoch_times.append(total)
+        self.levels.append(straggler_level(records[:, :, 1].mean(axis=1) + records[:, :, 2].mean(axis=1)))
+        return total, records, d_p
+
+    # ---------------------------------------------------------------- membership changes
+    def restart(self, e: int, act: np.ndarray) -> BalancePlanner:
+        """A rank was lost or added (or the run starts): an elastic restart at the epoch boundary.
+
+        Survivors keep their time models and places; a new rank takes its own place and starts from the
+        NCF-predicted line of it (with a relocator) or a survivor's of the same device type, and the first
+        plan is decided from those models when every rank has one.
+        """
+        new = BalancePlanner(len(act), self.sc.global_batch, allocator=self.alloc, min_gain=self.min_gain)
+        for r in act:
+            self.where.setdefault(int(r), int(r))
+        if self.planner is None or self.members is None:
+            return new
+        self.restarts += 1
+        source = self.seed_models(new, e, act)
+        new.memory_caps = [self.pcaps[self.where[int(r)]] for r in act]
+        new._observed_steps = new.warmup_steps
+        if all(p is not None for p in new.model_params()):
+            nxt = self.sim.place_corunners(e) if self.context else None
+            data = self.measured_data
+            self.set_context(
+                utilisation=None,
+                data=[data.get(int(r), data.get(q, 0.0) if q is not None else 0.0) for r, q in zip(act, source)],
+                devices=[self.pdev[self.where[int(r)]] for r in act],
+                corunners=[self.measured_co.get(q) if q is not None else None for q in source],
+                next_corunners=None if nxt is None else [nxt[self.where[int(r)]] for r in act])
+            new.replan()
+        return new
+
+    def seed_models(self, new: BalancePlanner, e: int, act: np.ndarray) -> list[int | None]:
+        """Give ``new`` each rank's time model; returns the rank whose measurements each model came from."""
+        assert self.planner is not None and self.members is not None
+        old = {int(r): m for r, m in zip(self.members, self.planner.models)}
+        source: list[int | None] = []
+        for i, r in enumerate(act):
+            r = int(r)
+            if r in old:
+                q: int | None = r
+            else:
+                predicted = self.predicted_line(self.where[r], e)
+                if predicted is not None:
+                    new.seed_model(i, predicted, self.sc.global_batch // len(act))
+                    self.measured_co[r] = self.sim.place_corunners(e)[self.where[r]]
+                    source.append(r)
+                    continue
+                q = next((q for q in old if self.pdev[self.where[q]] == self.pdev[self.where[r]]), None)
+            source.append(q)
+            if q is not None:
+                new.models[i] = copy.deepcopy(old[q])
+        return source
+
+    def predicted_line(self, place: int, epoch: int) -> tuple[float, float] | None:
+        """A new rank's time line: the NCF-predicted line of its place (None: unknown)."""
+        relocator, planner, members = self.relocator, self.planner, self.members
+        if relocator is None or planner is None or members is None:
+            return None
+        lines = [(p.intercept, p.slope) for p in planner.model_params()]
+        solo = relocator.solo_lines([self.pdev[self.where[int(r)]] for r in members],
+                                    [self.measured_co.get(int(r)) for r in members], lines, self.sc.workload)
+        s = relocator.slowdown(self.pdev[place], self.sim.place_corunners(epoch)[place], self.sc.workload)
+        if self.pdev[place] not in solo or s is None:
+            return None
+        a, b = solo[self.pdev[place]]
+        return a * s, b * s
+
+    # ---------------------------------------------------------------- relocation
+    def relocate(self, e: int, act: np.ndarray, here: np.ndarray, records: np.ndarray, d_p: np.ndarray,
+                 co_now: list[str | None], co_next: list[str | None]) -> None:
+        """Stage 2 at the end of epoch ``e``: the relocator may move ranks to free places for epoch ``e + 1``."""
+        sim, planner = self.sim, self.planner
+        assert planner is not None
+        taken = set(self.where[int(r)] for r in act)
+        alive = set(int(r) for r in act)
+        free = [p for p in range(sim.places) if p not in taken and (p >= sim.world_size or p in alive)]
+        if not free:
+            return
+        t0 = time.perf_counter()
+        decision = self.relocator.propose(
+            devices=[self.pdev[p] for p in here], corunners=[co_now[p] for p in here],
+            next_corunners=[co_next[p] for p in here],
+            lines=[(m.intercept, m.slope) for m in planner.model_params()],
+            free_slots=[{"device": self.pdev[p], "corunner": co_next[p], "data": float(d_p[p])} for p in free],
+            global_batch=self.sc.global_batch, steps_per_epoch=self.sc.steps_per_epoch, epochs_left=self.epochs - e - 1,
+            data=list(records[:, :, 2].mean(axis=1)), workload=self.sc.workload)
+        if decision.moves:
+            for i, k in decision.moves:
+                r, p = int(act[i]), free[k]
+                self.where[r] = p
+                planner.seed_model(i, decision.lines[i])
+                self.measured_co[r] = co_next[p]
+            here = np.array([self.where[int(r)] for r in act], dtype=np.int64)
+            planner.memory_caps = [self.pcaps[p] for p in here]
+            self.set_context(utilisation=None, data=[float(d_p[p]) for p in here], devices=[self.pdev[p] for p in here],
+                             corunners=[co_next[p] for p in here], next_corunners=[co_next[p] for p in here])
+            planner.replan()
+            self.pending_cost = self.sc.restart_cost
+            self.moves_log.append({"epoch": e + 1, "moves": [(int(act[i]), int(free[k])) for i, k in decision.moves],
+                                   "predicted_gain": decision.predicted_gain})
+        self.decide[-1] += time.perf_counter() - t0
+
+    def result(self) -> dict[str, Any]:
+        sc, epoch_times = self.sc, self.epoch_times
+        samples = sc.global_batch * sc.steps_per_epoch * self.epochs
+        return {
+            "scenario": sc.name,
+            "allocator": getattr(self.alloc, "name", type(self.alloc).__name__),
+            "steady_samples_per_s": _steady(sc, epoch_times),
+            "world_size": sc.world_size,
+            "world_sizes": self.worlds,
+            "restarts": self.restarts,
+            "relocations": self.moves_log,
+            "placements": self.placements,
+            "epochs": self.epochs,
+            "epoch_times": epoch_times,
+            "total_time": float(sum(epoch_times)),
+            "samples_per_s": samples / float(sum(epoch_times)),
+            "straggler_level": self.levels,
+            "plans": self.plans,
+            "decision_ms": 1000.0 * float(np.mean(self.decide)),
+        }
+
+
+def _steady(sc: Scenario, epoch_times: Sequence[float]) -> float:
+    """Samples per second after the first epoch (the one every policy spends measuring an equal split)."""
+    rest = list(epoch_times[1:]) or list(epoch_times)
+    return sc.global_batch * sc.steps_per_epoch * len(rest) / float(sum(rest))
+
+
+def oracle(
+    scenario: Scenario | str | Path | Mapping[str, Any],
+    epochs: int | None = None,
+    seed: int | None = None,
+    placement: bool = True,
+) -> dict[str, Any]:
+    """The oracle: every epoch, the best placement (over the ranks' own and the free slots) and the
+    equal-finish split on the *true* times (data time included, memory caps respected), run under the same
+    noise as :func:`simulate`. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans`` and
+    ``placements`` (slot descriptions per epoch)."""
+    sim = ClusterSim(scenario, seed=seed)
+    sc = sim.scenario
+    epochs = sc.epochs if epochs is None else int(epochs)
+    ef = EqualFinishAllocator()
+    times, plans, placements = [], [], []
+    for e in range(epochs):
+        slots = sim.slots(e)
+        n = len(sim.active(e))
+        pick = best_placement(slots, n, sc.global_batch) if placement and len(slots) > n else list(range(n))
+        chosen = [slots[k] for k in pick]
+        models = [TimeModelParams(x["intercept"] + x["data"], x["slope"]) for x in chosen]
+        bounds = Bounds((1,) * n, tuple(sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen))
+        plan = np.asarray(ef.allocate(models, sc.global_batch, bounds), dtype=np.float64)
+        a = np.array([x["intercept"] for x in chosen])
+        beta = np.array([x["slope"] for x in chosen])
+        data = np.array([x["data"] for x in chosen])
+        comm = sim.allreduce_time(n)
+        total = sum(float(np.max((a + beta * plan) * sim.slot_noise(e, s, chosen) + data)) + comm
+                    for s in range(sc.steps_per_epoch))
+        times.append(total)
+        plans.append([int(b) for b in plan])
+        placements.append([{"device": x["device"], "corunner": x["corunner"], "rank": x["rank"],
+                            "free_slot": x.get("free_slot")} for x in chosen])
+    samples = sc.global_batch * sc.steps_per_epoch * epochs
+    return {"scenario": sc.name, "allocator": "oracle", "epochs": epochs, "epoch_times": times,
+            "steady_samples_per_s": _steady(sc, times),
+            "total_time": float(sum(times)), "samples_per_s": samples / float(sum(times)), "plans": plans,
+            "placements": placements}
+
+
+def decision_problems(
+    scenario: Scenario | str | Path | Mapping[str, Any],
+    rng: np.random.Generator,
+    fit_noise: float = 0.03,
+) -> list[DecisionProblem]:
+    """One :class:`DecisionProblem` per epoch boundary of a scenario (epoch e observed, epoch e+1 true)."""
+    sim = ClusterSim(scenario)
+    sc = sim.scenario
+    all_caps = np.array([c if c is not None else sc.global_batch for c in sc.max_batch], dtype=np.float64)
+    out = []
+    prev_beta = None
+    for e in range(sc.epochs - 1):
+        act = sim.active(e)
+        if not np.array_equal(act, sim.active(e + 1)):  # membership changes: a restart, no decision to learn
+            prev_beta = None
+            continue
+        a, beta, data = (x[act] for x in sim.params(e))
+        a2, beta2, data2 = (x[act] for x in sim.params(e + 1))
+        m = sim.multipliers(e)[act]
+        caps = all_caps[act]
+        jitter = np.exp(rng.normal(0.0, fit_noise, len(act)))
+        obs_beta = beta * jitter
+        if prev_beta is not None and len(prev_beta) != len(obs_beta):
+            prev_beta = None
+        out.append(DecisionProblem(
+            intercept=a * jitter, slope=obs_beta, prev_slope=obs_beta if prev_beta is None else prev_beta,
+            utilisation=1.0 - 1.0 / m, data=data, true_intercept=a2, true_slope=beta2, true_data=data2,
+            global_batch=sc.global_batch, max_batch=caps,
+        ))
+        prev_beta = obs_beta
+    return out
