@@ -167,6 +167,7 @@ class AggregationMixin(_StrategyHost):
         if own is None or not aggregator.micro_batched:
             return StepContext(batch_idx, counts, rank, last)
         loader = trainer.train_dataloader
+        assert loader is not None  # the balanced sampler came from it
         sampler = own
 
         def load(indices: Any) -> Any:
@@ -220,7 +221,12 @@ class AggregationMixin(_StrategyHost):
 
     # ------------------------------------------------------------------ the exchange
     def _aggregated_optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any, kwargs: dict[str, Any], step_fn: Callable[..., Any]
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: Any,
+        kwargs: dict[str, Any],
+        step_fn: Callable[..., Any],
     ) -> Any:
         """The optimizer step of an explicit mode; ``step_fn(optimizer, closure, model, **kwargs)`` is the
         strategy's own optimizer step (precision plugin, clipping, hooks)."""

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import default_collate
 
 from hetero_plugins._validation import check_int
-from hetero_plugins.aggregation import Aggregator, StepContext, make_aggregator
+from hetero_plugins.aggregation import AggregationStats, Aggregator, StepContext, make_aggregator
 from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
 from hetero_plugins.horovod._hvd import hvd as _hvd
 from hetero_plugins.horovod.exchange import HorovodExchange
@@ -225,6 +225,11 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         return self.aggregator.options
 
     @property
+    def stats(self) -> AggregationStats:
+        """What the aggregator did so far on this rank (bytes, rounds, carried and stolen samples)."""
+        return self.aggregator.stats
+
+    @property
     def communication_bytes(self) -> int:
         """Bytes this rank put into gradient / model exchanges (``"weighted"``: uncompressed gradients)."""
         return self.aggregator.stats.bytes
@@ -309,7 +314,10 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state; a step in progress is forgotten (an elastic reset restores the
+        last commit this way, and every rank then starts the next step afresh)."""
         self.optimizer.load_state_dict(state_dict)
+        self._ctx, self._loop, self._backward_step, self._backwards = None, None, None, 0
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError(
@@ -331,7 +339,8 @@ class AggregatingOptimizer(torch.optim.Optimizer):
             return
         if self._loop is not None:
             raise RuntimeError(
-                f"optimizer.micro_batches() was called again before optimizer.step() (aggregation={self.aggregation.mode!r}). "
+                "optimizer.micro_batches() was called again before optimizer.step() "
+                f"(aggregation={self.aggregation.mode!r}). "
                 "HINT: per batch: zero_grad(); for mb in optimizer.micro_batches(batch): backward; then step()."
             )
         sampler = self.batch_sampler
