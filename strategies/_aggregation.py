@@ -126,6 +126,8 @@ class AggregationMixin(_StrategyHost):
         aggregator = make_aggregator(mode, self._collectives(), module.parameters(),
                                      buffers=list(module.parameters()) + list(module.buffers()))
         aggregator.setup(self.optimizers)
+        if self.aggregator is not None:
+            aggregator.stats = self.aggregator.stats  # another fit with this strategy: the counts go on
         if isinstance(aggregator, DeadlineAggregator):
             self.balancer.backlog_fn = aggregator.backlog_per_step  # mid-epoch plans route around the backlog
         self.aggregator = aggregator
