@@ -92,8 +92,8 @@ class Collectives(Protocol):
         ...
 
     def store_host(self) -> str:
-        """An address of rank 0's host that every rank can reach, for a key-value store rank 0 serves (not
-        collective)."""
+        """An address of rank 0's host that every rank can reach, for a key-value store rank 0 serves. Some
+        transports learn it collectively, so every rank calls it."""
         ...
 
 
@@ -169,8 +169,8 @@ def open_tcp_store(comm: Collectives, timeout: float, name: str = "hetero_plugin
 
     wait = timedelta(seconds=float(timeout))
     store, address = None, None
+    host = comm.store_host()  # on every rank: Horovod's and MPI's transports learn rank 0's host collectively
     if comm.rank() == 0:
-        host = comm.store_host()
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=wait)
         address = (host, int(store.port))
     address = comm.broadcast_object(address, name=name)

@@ -31,6 +31,7 @@ from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.allocators import Allocator
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.cluster import ClusterSource
+from hetero_plugins.collectives import TorchCollectives
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 
@@ -162,19 +163,15 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if not self.aggregation.explicit_sync:
+        if self.aggregator is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         return self._aggregated_optimizer_step(optimizer, closure, model, kwargs, super().optimizer_step)
 
-    def _allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def _allreduce_sum_async(self, tensor: torch.Tensor) -> Any:
-        return _PendingSum(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True), tensor)
-
-    def _store_host(self) -> str:
-        return self.cluster_environment.main_address  # type: ignore[union-attr]
+    def _collectives(self) -> TorchCollectives:
+        """The explicit aggregation modes exchange over the default process group; a ``wbsp`` claim store is
+        served on the launcher's main address."""
+        env = self.cluster_environment
+        return TorchCollectives(self.root_device, env.main_address if env is not None else None)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -201,17 +198,6 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
-
-
-class _PendingSum:
-    """An all-reduce in flight; ``wait()`` returns the summed tensor."""
-
-    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
-        self.work, self.tensor = work, tensor
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.tensor
 
 
 _EXIT_HOOK = [False]

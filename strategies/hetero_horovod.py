@@ -43,6 +43,7 @@ from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
 from hetero_plugins.horovod._hvd import hvd as _hvd
+from hetero_plugins.horovod.exchange import HorovodExchange
 from hetero_plugins.horovod.weighting import GradientWeighting
 
 __all__ = ["HeteroHorovodStrategy", "HorovodEnvironment"]
@@ -186,7 +187,6 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         )
         self._auto_sync = False
         self._weightings: list[GradientWeighting] = []
-        self._exchanges = 0
         self._init_aggregation(aggregation)
 
     # ------------------------------------------------------------------ ranks and devices
@@ -266,20 +266,13 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
             for opt in self.optimizers:
                 opt.synchronize()
 
-    def _allreduce_sum(self, tensor: Tensor) -> Tensor:
-        hvd = _hvd()
-        self._exchanges += 1
-        return hvd.allreduce(tensor, op=hvd.Sum, name=f"hetero.aggregate.{self._exchanges}")
-
-    def _allreduce_sum_async(self, tensor: Tensor) -> Any:
-        hvd = _hvd()
-        self._exchanges += 1
-        handle = hvd.allreduce_async(tensor, op=hvd.Sum, name=f"hetero.aggregate.{self._exchanges}")
-        return _PendingHorovodSum(handle)
+    def _collectives(self) -> HorovodExchange:
+        """The explicit aggregation modes exchange through ``hvd.allreduce`` (``op=hvd.Sum``)."""
+        return HorovodExchange()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.aggregation.explicit_sync:
+        if self.aggregator is not None:
             return self._aggregated_optimizer_step(optimizer, closure, model, kwargs, super().optimizer_step)
         if self._auto_sync and hasattr(optimizer, "skip_synchronize"):
             # Entered per step: Horovod's load_state_dict (checkpoint restore) resets the flag.
@@ -350,13 +343,3 @@ def _named_parameters_of(module: torch.nn.Module, optimizer: torch.optim.Optimiz
         for j, p in enumerate(group["params"]):
             out.append((prefix + names.get(id(p), f"group{g}.{j}"), p))
     return out
-
-
-class _PendingHorovodSum:
-    """A Horovod all-reduce in flight; ``wait()`` returns the sum."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def wait(self) -> Tensor:
-        return _hvd().synchronize(self.handle)

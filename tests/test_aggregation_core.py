@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import doctest
 import math
+import time
 from datetime import timedelta
 
 import pytest
@@ -11,26 +13,24 @@ import torch
 import torch.distributed as dist
 
 import hetero_plugins.aggregation as aggregation_module
+import hetero_plugins.aggregation.base as base_module
+import hetero_plugins.aggregation.deadline as deadline_module
 import hetero_plugins.aggregation.grad_sync as grad_sync_module
 import hetero_plugins.aggregation.microbatch as microbatch_module
-import hetero_plugins.aggregation.work_sharing as work_sharing_module
+import hetero_plugins.aggregation.options as options_module
+import hetero_plugins.aggregation.wbsp as wbsp_module
+import hetero_plugins.aggregation.weighted as weighted_module
 from hetero_plugins.aggregation.options import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
+from hetero_plugins.aggregation.deadline import CarryQueue, DeadlineRule
 from hetero_plugins.aggregation.grad_sync import sync_sample_weighted
 from hetero_plugins.aggregation.local_sgd import weighted_average_
-from hetero_plugins.aggregation.microbatch import (
-    CarryQueue,
-    DeadlineRule,
-    MicroBatch,
-    StepClaims,
-    batch_length,
-    micro_batch_sizes,
-    split_batch,
-    take_rows,
-)
+from hetero_plugins.aggregation.microbatch import MicroBatch, batch_length, micro_batch_sizes, split_batch, take_rows
+from hetero_plugins.aggregation.wbsp import StepClaims
 from hetero_plugins.balancing.planner import BalancePlanner
 
 
-@pytest.mark.parametrize("module", [aggregation_module, microbatch_module, grad_sync_module, work_sharing_module])
+@pytest.mark.parametrize("module", [aggregation_module, base_module, deadline_module, grad_sync_module,
+                                    microbatch_module, options_module, wbsp_module, weighted_module])
 def test_docstring_examples(module):
     assert doctest.testmod(module).failed == 0
 
@@ -155,7 +155,7 @@ def test_wbsp_ranks_share_a_step_through_a_tcp_store_each_unit_once():
     import threading
     import time
 
-    from hetero_plugins.aggregation.work_sharing import wbsp_micro_batches
+    from hetero_plugins.aggregation.wbsp import wbsp_micro_batches
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     counts, parts, cost = [16, 16], 8, [0.001, 0.006]
@@ -184,3 +184,282 @@ def test_wbsp_ranks_share_a_step_through_a_tcp_store_each_unit_once():
     assert sorted(seen[0] + seen[1]) == list(range(32))  # every sample of the step once
     assert len([i for i in seen[0] if i >= 16]) > 0  # the fast rank took units of the slow rank's share
     assert len(seen[0]) > len(seen[1])
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+class ThreadComm:
+    """A :class:`~hetero_plugins.collectives.Collectives` for ranks played by threads of one process: every
+    collective meets at a barrier, sums add the ranks' tensors in rank order."""
+
+    def __init__(self, world: "ThreadWorld", rank: int) -> None:
+        self.world, self._rank = world, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.world.size
+
+    def _meet(self, value):
+        w = self.world
+        w.slots[self._rank] = value
+        w.barrier.wait()
+        out = list(w.slots)
+        w.barrier.wait()
+        return out
+
+    def allgather(self, array, name):
+        import numpy as np
+
+        return np.stack(self._meet(np.asarray(array, dtype=np.float64)))
+
+    def broadcast_object(self, obj, name, root=0):
+        return self._meet(obj)[root]
+
+    def allreduce_sum(self, tensor, name):
+        parts = self._meet(tensor.detach().clone())
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        tensor.copy_(total)
+        return tensor
+
+    def allreduce_sum_async(self, tensor, name):
+        from hetero_plugins.collectives import CompletedHandle
+
+        return CompletedHandle(self.allreduce_sum(tensor, name))
+
+    def store_host(self) -> str:
+        return "127.0.0.1"
+
+
+class ThreadWorld:
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots: list = [None] * size
+
+    def run(self, fn):
+        import threading
+
+        results: list = [None] * self.size
+        errors: list = []
+
+        def target(rank):
+            try:
+                results[rank] = fn(rank, ThreadComm(self, rank))
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if errors:
+            raise errors[0]
+        return results
+
+
+class FixedTimes:
+    """The plan's time models as the engine asks them (``BalancePlanner`` answers the same two questions)."""
+
+    def __init__(self, step_time: float, rates: list[float]) -> None:
+        self.step_time, self._rates = step_time, rates
+
+    def predict_step_time(self, plan):
+        return self.step_time
+
+    def rates(self, plan):
+        return list(self._rates)
+
+
+PLAN, STEPS = (5, 3), 6
+GLOBAL = sum(PLAN)
+
+
+def engine_data():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(GLOBAL * STEPS, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (GLOBAL * STEPS,), generator=g)
+    return x, y
+
+
+def engine_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def share(step: int, owner: int) -> list[int]:
+    lo = step * GLOBAL + sum(PLAN[:owner])
+    return list(range(lo, lo + PLAN[owner]))
+
+
+def run_engine(options, sleep=None, times=None):
+    """Every rank drives its aggregator the way both adapters do; returns per rank (model, stats, processed)."""
+    from hetero_plugins.aggregation import StepContext, make_aggregator
+
+    x, y = engine_data()
+    initial = engine_model()  # built here: threads would share torch's global generator
+
+    def rank_fn(rank, comm):
+        model = copy.deepcopy(initial)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
+        agg = make_aggregator(options, comm, model.parameters(), buffers=list(model.buffers()))
+        agg.setup([opt])
+        processed: list[list[int]] = []
+        for step in range(STEPS):
+            own = share(step, rank)
+            ctx = StepContext(step, PLAN, rank, last=step + 1 == STEPS, planner=times,
+                              indices_of=lambda owner, s=step: share(s, owner),
+                              load=lambda idx: (x[list(idx)], y[list(idx)], torch.tensor(list(idx))))
+            opt.zero_grad()
+            done: list[int] = []
+            for mb in agg.micro_batches((x[own], y[own], torch.tensor(own)), ctx):
+                xb, yb, ib = mb.data
+                if sleep is not None:
+                    time.sleep(sleep(rank, step, mb.samples))
+                (torch.nn.functional.cross_entropy(model(xb), yb) * mb.weight).backward()
+                done += ib.tolist()
+            if agg.exchange(ctx):
+                opt.step()
+            agg.after_step(ctx)
+            processed.append(done)
+        if agg.flush():
+            opt.step()
+        return model, agg.stats, processed, agg
+
+    return ThreadWorld(2).run(rank_fn)
+
+
+def replay_unions(unions, delayed=False):
+    x, y = engine_data()
+    model = engine_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
+    params = list(model.parameters())
+    pending = None
+    for idx in unions:
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x[idx]), y[idx]), params)
+        apply, pending = (pending, grads) if delayed else (grads, None)
+        if apply is not None:
+            for p, g in zip(params, apply):
+                p.grad = g.clone()
+            opt.step()
+    if delayed and pending is not None:
+        for p, g in zip(params, pending):
+            p.grad = g.clone()
+        opt.step()
+    return model
+
+
+def assert_models_close(a, b, tol=1e-9):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert (p - q).abs().max().item() < tol
+
+
+def test_registry_covers_every_mode_and_builds_by_name():
+    from hetero_plugins.aggregation import AGGREGATORS, make_aggregator
+
+    assert tuple(AGGREGATORS) == AGGREGATION_MODES
+    for mode, cls in AGGREGATORS.items():
+        agg = make_aggregator(mode, ThreadComm(ThreadWorld(1), 0), [])
+        assert type(agg) is cls and agg.mode == mode and agg.micro_batched == AggregationOptions(mode).micro_batched
+    with pytest.raises(ValueError, match="HINT"):
+        make_aggregator("fastest", ThreadComm(ThreadWorld(1), 0), [])
+    with pytest.raises(ValueError, match="implements aggregation='wbsp'"):
+        AGGREGATORS["wbsp"](AggregationOptions("deadline"), ThreadComm(ThreadWorld(1), 0), [])
+
+
+def test_shared_checks_name_the_argument_value_and_fix():
+    with pytest.raises(ValueError, match=r"`backward_passes_per_step`=2 .*aggregation='pseudo_sync'.*HINT"):
+        AggregationOptions("pseudo_sync").check_accumulation("backward_passes_per_step", 2)
+    AggregationOptions("weighted").check_accumulation("accumulate_grad_batches", 4)  # the framework accumulates
+    with pytest.raises(ValueError, match=r"aggregation='deadline'.*`locality=True`.*HINT"):
+        AggregationOptions("deadline").check_locality(True)
+    AggregationOptions("local_sgd").check_locality(True)
+
+
+def test_engine_deadline_without_a_hit_and_wbsp_equal_one_process_on_each_union():
+    unions = [share(s, 0) + share(s, 1) for s in range(STEPS)]
+    ref = replay_unions(unions)
+    for options in (AggregationOptions("deadline", deadline_slack=1e6, micro_batches=2),
+                    AggregationOptions("wbsp", micro_batches=3)):
+        results = run_engine(options, sleep=lambda rank, step, n: 0.004 * n * rank,
+                             times=FixedTimes(1.0, [1000.0, 100.0]))
+        for model, stats, processed, _ in results:
+            assert_models_close(model, ref)
+            # the exchange counts what it sends: the gradients and 2 * world float64 count slots
+            n = sum(p.numel() for p in model.parameters())
+            assert stats.rounds == STEPS and stats.bytes == STEPS * (n + 2 * 2) * 8
+        seen = sorted(i for _, _, processed, _ in results for step in processed for i in step)
+        assert seen == list(range(GLOBAL * STEPS))  # every sample once
+
+
+def test_engine_deadline_carries_a_stalled_ranks_samples_and_each_step_is_exact():
+    stall = lambda rank, step, n: 0.08 if (rank == 1 and step in (1, 2)) else 0.0  # noqa: E731
+    results = run_engine(AggregationOptions("deadline", deadline_slack=0.0, micro_batches=3), sleep=stall,
+                         times=FixedTimes(0.02, [1.0, 1.0]))
+    (m0, s0, p0, a0), (m1, s1, p1, _) = results
+    assert s1.carried > 0 and s0.carried == 0
+    unions = [p0[s] + p1[s] for s in range(STEPS)]
+    assert any(len(u) < GLOBAL for u in unions)  # steps that updated on fewer samples than planned
+    assert sorted(i for u in unions for i in u) == list(range(GLOBAL * STEPS))  # the last step works off the carry
+    assert a0.backlogs == [0, 0] and len(a0.carry) == 0
+    ref = replay_unions(unions)
+    assert_models_close(m0, ref)
+    assert_models_close(m1, ref)
+
+
+def test_engine_wbsp_claim_keys_live_two_steps_in_their_namespace():
+    results = run_engine(AggregationOptions("wbsp", micro_batches=2), times=FixedTimes(1.0, [1.0, 1.0]))
+    store = results[0][3].store
+    assert not store.check([f"hetero_plugins/wbsp/{STEPS - 3}/0"])  # deleted two steps later
+    assert store.check([f"hetero_plugins/wbsp/{STEPS - 1}/0", f"hetero_plugins/wbsp/{STEPS - 2}/1"])
+
+
+def test_engine_pseudo_sync_plain_delay_equals_one_step_delayed_sgd():
+    results = run_engine(AggregationOptions("pseudo_sync", min_confidence=1.0))
+    ref = replay_unions([share(s, 0) + share(s, 1) for s in range(STEPS)], delayed=True)
+    for model, stats, _, _ in results:
+        assert_models_close(model, ref)
+        assert stats.rounds == STEPS and stats.bytes == STEPS * sum(p.numel() * 8 for p in model.parameters())
+
+
+def test_engine_local_sgd_averages_every_h_steps_weighted_by_samples_and_at_the_end():
+    h = 4
+    results = run_engine(AggregationOptions("local_sgd", local_steps=h))
+    x, y = engine_data()
+    locals_ = []
+    for _ in range(2):
+        m = engine_model()
+        locals_.append((m, torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.5)))
+    samples = [0, 0]
+    for step in range(STEPS):
+        for r, (m, opt) in enumerate(locals_):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x[share(step, r)]), y[share(step, r)]).backward()
+            opt.step()
+            samples[r] += PLAN[r]
+        if (step + 1) % h == 0 or step + 1 == STEPS:
+            with torch.no_grad():
+                for tensors in zip(*(m.parameters() for m, _ in locals_)):
+                    avg = sum(t * (n / sum(samples)) for t, n in zip(tensors, samples))
+                    for t in tensors:
+                        t.copy_(avg)
+            samples = [0, 0]
+    for model, stats, _, _ in results:
+        assert stats.rounds == 2  # after step 4 and at the epoch's last step
+        assert_models_close(model, locals_[0][0])
+
+
+def test_aggregation_core_imports_no_framework():
+    import pathlib
+    import re
+
+    root = pathlib.Path(aggregation_module.__file__).parent
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(import|from)\s+(lightning|horovod|torch\.distributed)\b", text, re.M), path

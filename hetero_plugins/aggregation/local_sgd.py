@@ -8,26 +8,29 @@ and the counts travel in the same all-reduce as the parameters.
 Adaptive batch (Lau et al. 2024, "Communication-Efficient Adaptive Batch Size Strategies for Distributed
 Local Gradient Methods", arXiv 2406.13936): at an average, a distributed norm test on the ranks' parameter
 deltas since the previous average grows the batch when their variance dominates their mean. The exact
-test is the one of AdLoCo's ``NormTestBatching`` (``shared/research/seeds.md`` section 10; that it matches
-Lau et al. exactly is inferred there).
+test is the one of AdLoCo's ``NormTestBatching`` (that it matches Lau et al. exactly is inferred).
 
-Framework-free: the all-reduce is an injected callable.
+Framework-free: the all-reduce is an injected callable. :class:`LocalSGDAggregator` is the
+``aggregation="local_sgd"`` engine.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from hetero_plugins._validation import check_float, check_int
+from hetero_plugins.aggregation.base import Aggregator, StepContext
+from hetero_plugins.aggregation.options import AggregationOptions
+from hetero_plugins.collectives import Collectives
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalSGDSchedule", "weighted_average_"]
+__all__ = ["LocalSGDAggregator", "LocalSGDSchedule", "weighted_average_"]
 
 
 class LocalSGDSchedule:
@@ -290,6 +293,47 @@ def weighted_average_(
         stats["mean_sq_norm"] = _sq_dist(tensors, base, floats)
         stats["sq_norm_sum"] = weighted_sq * ranks / n_total
     return stats
+
+
+class LocalSGDAggregator(Aggregator):
+    """``aggregation="local_sgd"``: each step is a local step on this rank's own mean gradient; after every
+    ``local_steps`` steps and at every epoch's last step the parameters and floating ``buffers`` are averaged,
+    weighted by the samples each rank processed since the last average (:func:`weighted_average_`).
+
+    Attributes:
+        schedule: the :class:`LocalSGDSchedule`.
+        tensors: what an average covers: the trainable parameters, then the other floating tensors given as
+            ``buffers`` (frozen parameters, BatchNorm statistics), each once.
+    """
+
+    mode = "local_sgd"
+
+    def __init__(
+        self,
+        options: AggregationOptions,
+        comm: Collectives,
+        params: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor] = (),
+    ) -> None:
+        super().__init__(options, comm, params, buffers)
+        assert options.local_steps is not None  # filled per mode
+        self.schedule = LocalSGDSchedule(local_steps=options.local_steps)
+        self.tensors = list(self.params)
+        seen = {id(t) for t in self.tensors}
+        for t in buffers:
+            if t.is_floating_point() and id(t) not in seen:
+                seen.add(id(t))
+                self.tensors.append(t)
+
+    def exchange(self, ctx: StepContext) -> bool:
+        return True  # a local step: nothing is exchanged before it
+
+    def after_step(self, ctx: StepContext) -> None:
+        due = self.schedule.step_done(ctx.counts[ctx.rank])
+        if due or ctx.last:  # also at the epoch's end: every epoch ends on one model
+            weighted_average_(self.tensors, self.schedule.samples_since_average,
+                              lambda t: self._allreduce_sum(t, "hetero_plugins.aggregation.local_sgd"))
+            self.schedule.averaged()
 
 
 def _sq_dist(tensors: list[torch.Tensor], base: list[torch.Tensor], indices: list[int]) -> float:

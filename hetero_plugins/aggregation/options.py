@@ -138,11 +138,39 @@ class AggregationOptions:
         """Whether gradients are exchanged by the mode rather than by the framework's per-step hook."""
         return self.mode != "weighted"
 
+    def check_accumulation(self, argument: str, value: int) -> None:
+        """Refuse gradient accumulation (``argument``: the framework's name for it) in the explicit modes,
+        which exchange once per optimizer step.
+
+        Example::
+
+            >>> AggregationOptions("wbsp").check_accumulation("accumulate_grad_batches", 2)
+            Traceback (most recent call last):
+            ...
+            ValueError: `accumulate_grad_batches`=2 does not combine with aggregation='wbsp' (the mode exchanges once per optimizer step). HINT: raise the per-rank batch size instead, or use aggregation='weighted'.
+        """
+        if self.explicit_sync and int(value) != 1:
+            raise ValueError(
+                f"`{argument}`={value} does not combine with aggregation={self.mode!r} (the mode exchanges once per "
+                "optimizer step). HINT: raise the per-rank batch size instead, or use aggregation='weighted'."
+            )
+
+    def check_locality(self, locality: bool) -> None:
+        """Refuse ``locality=True`` (each rank keeps its shard) in the modes that move samples between steps and
+        ranks (``deadline``, ``wbsp``)."""
+        if self.micro_batched and locality:
+            raise ValueError(
+                f"aggregation={self.mode!r} moves samples between steps and ranks, which `locality=True` forbids "
+                "(each rank keeps its shard). HINT: use locality=False (the sampler's or the strategy's), or "
+                "aggregation='weighted'."
+            )
+
     def deadline(self, predicted_step_time: float) -> float:
         """Seconds a ``deadline`` step may run, from the plan's predicted step time (``inf`` when unknown)."""
-        if self.mode != "deadline" or not math.isfinite(predicted_step_time) or predicted_step_time <= 0:
-            return math.inf
-        return (1.0 + float(self.deadline_slack)) * predicted_step_time  # type: ignore[arg-type]
+        slack = self.deadline_slack
+        if slack is None or not math.isfinite(predicted_step_time) or predicted_step_time <= 0:
+            return math.inf  # slack is None in every mode but "deadline"
+        return (1.0 + float(slack)) * predicted_step_time
 
 
 def resolve_aggregation(aggregation: str | AggregationOptions | None) -> AggregationOptions:
@@ -151,7 +179,7 @@ def resolve_aggregation(aggregation: str | AggregationOptions | None) -> Aggrega
         return AggregationOptions()
     if isinstance(aggregation, AggregationOptions):
         return aggregation
-    if isinstance(aggregation, str):
+    if isinstance(aggregation, str) and aggregation in AGGREGATION_MODES:
         return AggregationOptions(aggregation)
     raise ValueError(
         f"`aggregation` must be one of {list(AGGREGATION_MODES)} or an AggregationOptions, got {aggregation!r}. "

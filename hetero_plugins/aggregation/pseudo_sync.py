@@ -4,44 +4,32 @@ Wen et al. 2023, "Accelerating Massively Distributed Deep Learning Through Effic
 Update Method" (IJPP, DOI 10.1007/s10766-023-00759-4): a step applies the newest *already reduced*
 gradient while its own gradient is still being all-reduced, and corrects the one-step staleness with an
 adaptive exponential-smoothing predicted gradient whose confidence in the newest gradient is adapted.
-The paper's exact formula was not available; the rule here is the documented reconstruction of
-``shared/research/seeds.md`` section 17 (cosine agreement of consecutive gradients as the confidence).
+The paper's exact formula was not available; the rule here is a reconstruction that takes the cosine
+agreement of consecutive gradients as the confidence.
 Relatives: OD-SGD (one-step-delay SGD, arXiv 2005.06728) and DC-ASGD (delay-compensated asynchronous SGD,
 Zheng et al. 2017).
 
 Framework-free: :class:`DelayedExchange` receives the asynchronous all-reduce as an injected callable, and
 :class:`PseudoSyncCorrector` only does tensor arithmetic on the flat reduced gradient.
+:class:`PseudoSyncAggregator` is the mode's engine: each rank's flat gradient is multiplied by its share
+b_i / B before the exchange, so the reduced sum is the sample-weighted mean gradient of the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from hetero_plugins._validation import check_float
+from hetero_plugins.aggregation.base import Aggregator, StepContext
+from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients
+from hetero_plugins.aggregation.options import AggregationOptions
+from hetero_plugins.collectives import Collectives, CompletedHandle, ReduceHandle
 
-__all__ = ["CompletedHandle", "DelayedExchange", "PseudoSyncCorrector", "ReduceHandle"]
-
-
-class ReduceHandle(Protocol):
-    """What an injected ``launch`` returns: ``wait()`` blocks until the reduce is done and returns its result.
-
-    (``torch.distributed``'s ``Work.wait()`` returns a bool; integrations wrap it so ``wait`` returns the tensor.)
-    """
-
-    def wait(self) -> torch.Tensor: ...
-
-
-class CompletedHandle:
-    """A :class:`ReduceHandle` whose result is already known (wraps synchronous collectives, e.g. Horovod)."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self.result = result
-
-    def wait(self) -> torch.Tensor:
-        return self.result
+__all__ = ["CompletedHandle", "DelayedExchange", "PseudoSyncAggregator", "PseudoSyncCorrector", "ReduceHandle"]
 
 
 class PseudoSyncCorrector:
@@ -56,7 +44,7 @@ class PseudoSyncCorrector:
 
     When consecutive gradients agree (cosine near 1) the newest one is trusted; when they disagree the
     update leans on the smoothed history, which damps the error of applying a stale gradient
-    (Wen et al. 2023; reconstruction documented in ``seeds.md`` section 17). ``min_confidence=1.0`` gives the
+    (Wen et al. 2023, reconstructed). ``min_confidence=1.0`` gives the
     plain one-step-delayed update of OD-SGD: ``G`` is returned unchanged and no history is kept.
 
     A ``G`` containing inf/NaN (an AMP overflow step) is returned unchanged and leaves the state untouched,
@@ -250,6 +238,65 @@ class DelayedExchange:
         """Wait for the pending reduce and return its result (``None`` if nothing is pending)."""
         previous, self._pending = self._pending, None
         return None if previous is None else previous.wait()
+
+
+class PseudoSyncAggregator(Aggregator):
+    """``aggregation="pseudo_sync"``: step k launches the all-reduce of its weighted gradient and applies step
+    k-1's reduced gradient, corrected by a :class:`PseudoSyncCorrector`; the first step only launches
+    (:meth:`exchange` returns ``False``), and :meth:`flush` applies the last one after training.
+
+    Attributes:
+        corrector: the :class:`PseudoSyncCorrector`.
+        delayed: the :class:`DelayedExchange` (two all-reduces may be in flight, under two names).
+    """
+
+    mode = "pseudo_sync"
+
+    def __init__(
+        self,
+        options: AggregationOptions,
+        comm: Collectives,
+        params: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor] = (),
+    ) -> None:
+        super().__init__(options, comm, params, buffers)
+        assert options.smoothing is not None and options.min_confidence is not None  # filled per mode
+        self.corrector = PseudoSyncCorrector(smoothing=options.smoothing, min_confidence=options.min_confidence)
+        self.delayed = DelayedExchange(self._launch)
+
+    def setup(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        super().setup(optimizers)
+        momentum = max((float(g.get("momentum", 0.0) or 0.0) for o in optimizers for g in o.param_groups), default=0.0)
+        if momentum > 0.5 and self.comm.rank() == 0:
+            # Heavy-ball SGD on a quadratic of curvature h is stable for lr*h < 2(1 + momentum); with the
+            # gradient one step late the bound drops to lr*h < 1 - momentum (0.1 at momentum 0.9).
+            warnings.warn(
+                f"aggregation='pseudo_sync' applies each gradient one step late, and with SGD momentum {momentum} "
+                f"that is stable only for learning rates about {2 * (1 + momentum) / (1 - momentum):.0f}x smaller "
+                "than without the delay (the digits CNN at lr 0.1, momentum 0.9 diverges). HINT: use momentum <= "
+                "0.5 or a smaller learning rate with pseudo_sync.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _launch(self, flat: torch.Tensor) -> ReduceHandle:
+        name = f"hetero_plugins.aggregation.pseudo_sync.{self.delayed.launched % 2}"  # two may be in flight
+        return self._allreduce_sum_async(flat, name)
+
+    def exchange(self, ctx: StepContext) -> bool:
+        flat = flat_gradients(self.params).mul_(ctx.weight)
+        previous = self.delayed.exchange(flat)
+        if previous is None:  # the very first step only launches: there is no earlier gradient yet
+            return False
+        set_flat_gradients(self.params, self.corrector.combine(previous))
+        return True
+
+    def flush(self) -> bool:
+        last = self.delayed.flush()
+        if last is None:
+            return False
+        set_flat_gradients(self.params, self.corrector.combine(last))
+        return True
 
 
 def _describe(x: object) -> str:

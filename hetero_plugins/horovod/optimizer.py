@@ -1,56 +1,31 @@
-"""``hh.DistributedOptimizer`` and the ``AggregatingOptimizer`` of the explicit-exchange aggregation modes."""
+"""``hh.DistributedOptimizer``: a factory over one thin wrapper, :class:`AggregatingOptimizer`.
 
+The aggregation itself is an :class:`~hetero_plugins.aggregation.base.Aggregator` (one per mode, framework-free);
+the wrapper only connects it to a ``horovodrun`` training loop and to the :class:`HeteroBatchSampler`, like
+PyTorch's ``PostLocalSGDOptimizer(optim, averager)`` wraps an injected averager (Lin et al. 2018). In
+``"weighted"`` the wrapped optimizer is Horovod's own ``hvd.DistributedOptimizer`` (``op=hvd.Sum``), fed
+gradients scaled by b_i / B; in the other modes it is the user's optimizer and the aggregator exchanges
+through ``hvd.allreduce`` itself.
+"""
 
 from __future__ import annotations
 
-import collections
-import logging
-import math
-import os
-import socket
-import sys
-import time
-import types
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import Sampler, default_collate
+from torch.utils.data import default_collate
 
-from hetero_plugins._validation import check_choice, check_int, check_path
-from hetero_plugins.aggregation.options import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
-from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
-from hetero_plugins.aggregation.local_sgd import LocalSGDSchedule, weighted_average_
-from hetero_plugins.aggregation.microbatch import (
-    CarryQueue,
-    ClaimKeys,
-    DeadlineRule,
-    StepClaims,
-    batch_length,
-    micro_batch_sizes,
-    open_claim_store,
-    unit_indices,
-)
-from hetero_plugins.aggregation.pseudo_sync import DelayedExchange, PseudoSyncCorrector
-from hetero_plugins.aggregation.work_sharing import deadline_micro_batches, wbsp_micro_batches
-from hetero_plugins.balancing.allocators import Allocator
-from hetero_plugins.cluster import ClusterSource, resolve_cluster_source
-from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor, data_times
-from hetero_plugins.balancing.partition import EpochLayout, epoch_layout, epoch_shards
-from hetero_plugins.balancing.planner import BalancePlanner
-from hetero_plugins.telemetry import StepTimer
+from hetero_plugins._validation import check_int
+from hetero_plugins.aggregation import AggregationStats, Aggregator, StepContext, make_aggregator
+from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
 from hetero_plugins.horovod._hvd import hvd as _hvd
+from hetero_plugins.horovod.exchange import HorovodExchange
 from hetero_plugins.horovod.sampler import HeteroBatchSampler
 from hetero_plugins.horovod.weighting import GradientWeighting
 
-log = logging.getLogger(__name__)
-
 __all__ = ["AggregatingOptimizer", "DistributedOptimizer"]
 
-
-# ------------------------------------------------------------------------------------------- the optimizer
 #: ``hvd.DistributedOptimizer`` keyword arguments that only the ``"weighted"`` mode (Horovod's own
 #: per-gradient all-reduce) can use.
 _HOROVOD_ONLY = ("compression", "groups", "sparse_as_dense", "process_set", "num_groups")
@@ -68,7 +43,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     collate_fn: Any = None,
     model: torch.nn.Module | None = None,
     **kwargs: Any,
-) -> torch.optim.Optimizer:
+) -> AggregatingOptimizer:
     """Drop-in for ``hvd.DistributedOptimizer`` that sums sample-weighted gradients and times each step.
 
     Args:
@@ -91,10 +66,10 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             ``process_set``...); ``"weighted"`` only.
 
     Returns:
-        ``"weighted"``: Horovod's distributed optimizer, whose ``step`` also reports the step's end to the
-        sampler. Any other mode: an :class:`AggregatingOptimizer`. Both have ``micro_batches(batch)``,
-        ``flush()``, ``communication_bytes``, ``communication_rounds``, ``carried_samples`` and
-        ``stolen_samples``, so one training loop serves every mode.
+        An :class:`AggregatingOptimizer` in every mode (in ``"weighted"`` it wraps Horovod's distributed
+        optimizer). It has ``micro_batches(batch)``, ``flush()``, ``communication_bytes``,
+        ``communication_rounds``, ``carried_samples`` and ``stolen_samples``, so one training loop serves
+        every mode.
 
     Example::
 
@@ -102,11 +77,6 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
                                             named_parameters=model.named_parameters(), batch_sampler=sampler)
     """
     hvd = _hvd()
-    if isinstance(aggregation, str) and aggregation not in AGGREGATION_MODES:
-        raise ValueError(
-            f"`aggregation` must be one of {list(AGGREGATION_MODES)}, got {aggregation!r}. HINT: e.g. "
-            "aggregation='deadline', or aggregation=AggregationOptions('deadline', deadline_slack=0.3)."
-        )
     options = resolve_aggregation(aggregation)
     if not isinstance(batch_sampler, HeteroBatchSampler):
         raise ValueError(
@@ -124,118 +94,54 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
             "per-rank batch sizes cannot use. HINT: drop it; gradients are weighted by b_i / B instead."
         )
     check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    if collate_fn is not None and not callable(collate_fn):
+        raise ValueError(f"`collate_fn` must be callable, got {collate_fn!r}. HINT: pass loader.collate_fn.")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"`model` must be a torch.nn.Module, got {type(model).__name__}. HINT: pass the model.")
+    inner = optimizer
     if options.explicit_sync:
-        return AggregatingOptimizer(
-            optimizer, batch_sampler, options, dataset=dataset, collate_fn=collate_fn, model=model,
+        options.check_accumulation("backward_passes_per_step", backward_passes_per_step)
+        for key in kwargs:
+            if key in _HOROVOD_ONLY:
+                raise ValueError(
+                    f"`{key}` is an hvd.DistributedOptimizer option, which aggregation={options.mode!r} does not "
+                    f"use: this mode exchanges gradients itself. HINT: drop `{key}`, or use aggregation='weighted'."
+                )
+            raise ValueError(
+                f"`{key}` is not an option of hetero_plugins.horovod.DistributedOptimizer with "
+                f"aggregation={options.mode!r}. HINT: see help(hetero_plugins.horovod.DistributedOptimizer)."
+            )
+        options.check_locality(batch_sampler.locality)
+        if options.mode == "wbsp" and dataset is None:
+            raise ValueError(
+                "aggregation='wbsp' loads micro-batches of other ranks' shares, so it needs `dataset` (got None). "
+                "HINT: DistributedOptimizer(..., aggregation='wbsp', dataset=train_set, collate_fn=loader.collate_fn)."
+            )
+    else:
+        inner = hvd.DistributedOptimizer(
+            optimizer, named_parameters=None if named_parameters is None else list(named_parameters), op=hvd.Sum,
             backward_passes_per_step=backward_passes_per_step, **kwargs,
         )
-    if named_parameters is not None:
-        named_parameters = list(named_parameters)
-    dist_opt = hvd.DistributedOptimizer(
-        optimizer, named_parameters=named_parameters, op=hvd.Sum,
-        backward_passes_per_step=backward_passes_per_step, **kwargs,
-    )
-    sampler = batch_sampler
-    passes = [0]
-
-    def backward_end() -> None:
-        sampler._on_backward_end()
-        passes[0] += 1
-        if passes[0] < dist_opt.backward_passes_per_step:
-            sampler._on_step_end()  # an accumulated micro-batch: no collective waits before the next
-
-    params = [p for group in dist_opt.param_groups for p in group["params"]]
-    weighting = GradientWeighting(params, timer=sampler.timer, weight_fn=sampler.current_weight,
-                                  on_backward_end=backward_end)
-    horovod_step = dist_opt.step
-    grad_bytes = sum(p.numel() * p.element_size() for p in trainable(params))
-
-    def step(self: Any, closure: Any = None) -> Any:
-        out = horovod_step(closure)
-        passes[0] = 0
-        dist_opt.communication_bytes += grad_bytes  # type: ignore[attr-defined]
-        dist_opt.communication_rounds += 1  # type: ignore[attr-defined]
-        sampler._on_step_end()
-        return out
-
-    def micro_batches(batch: Any) -> Iterator[Any]:
-        """``"weighted"``: the whole batch, once (the loop of the micro-batched modes works unchanged)."""
-        yield batch
-
-    dist_opt.step = types.MethodType(step, dist_opt)  # type: ignore[method-assign]  # bound: LR schedulers wrap it
-    dist_opt.hetero_weighting = weighting  # type: ignore[attr-defined]
-    dist_opt.hetero_sampler = sampler  # type: ignore[attr-defined]
-    dist_opt.aggregation = options  # type: ignore[attr-defined]
-    dist_opt.micro_batches = micro_batches  # type: ignore[attr-defined]
-    dist_opt.flush = lambda: False  # type: ignore[attr-defined]
-    dist_opt.communication_bytes = 0  # type: ignore[attr-defined]  (uncompressed gradient bytes reduced)
-    dist_opt.communication_rounds = 0  # type: ignore[attr-defined]
-    dist_opt.carried_samples = 0  # type: ignore[attr-defined]
-    dist_opt.stolen_samples = 0  # type: ignore[attr-defined]
-    return dist_opt
-
-
-class _HorovodHandle:
-    """``hvd.allreduce_async``'s handle as a :class:`~hetero_plugins.aggregation.pseudo_sync.ReduceHandle`."""
-
-    def __init__(self, hvd: Any, handle: Any) -> None:
-        self._hvd, self._handle = hvd, handle
-
-    def wait(self) -> torch.Tensor:
-        return self._hvd.synchronize(self._handle)
-
-
-def _called_by_horovod_broadcast() -> bool:
-    """Whether ``step`` was called by ``hvd.broadcast_optimizer_state`` (to initialise the optimizer's state)."""
-    try:
-        frame = sys._getframe(2)
-    except ValueError:  # called from the outermost frame
-        return False
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "broadcast_optimizer_state" and str(frame.f_globals.get("__name__", "")).startswith(
-            "horovod"
-        ):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _device_of(batch: Any) -> torch.device | None:
-    if isinstance(batch, torch.Tensor):
-        return batch.device
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for v in batch:
-            d = _device_of(v)
-            if d is not None:
-                return d
-    return None
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
+    params = [p for group in inner.param_groups for p in group["params"]]
+    buffers = list(model.buffers()) if model is not None else []
+    aggregator = make_aggregator(options, HorovodExchange(), params, buffers=buffers)
+    return AggregatingOptimizer(inner, batch_sampler, aggregator, dataset=dataset, collate_fn=collate_fn,
+                                backward_passes_per_step=backward_passes_per_step)
 
 
 class AggregatingOptimizer(torch.optim.Optimizer):
-    """The optimizer :func:`DistributedOptimizer` returns for the explicit-exchange aggregation modes.
+    """The optimizer :func:`DistributedOptimizer` returns: ``optimizer`` driven by an injected ``aggregator``.
 
-    It behaves like the wrapped torch optimizer (``param_groups``, ``state``, ``defaults``, ``zero_grad``,
-    ``state_dict`` / ``load_state_dict`` all act on it; ``isinstance(opt, torch.optim.Optimizer)`` holds, so
-    torch LR schedulers accept it), and its :meth:`step` exchanges what the mode exchanges through Horovod
-    (``hvd.allreduce(op=hvd.Sum)``; ``hvd.allreduce_async`` + ``hvd.synchronize`` for ``pseudo_sync``) before
-    stepping it. It keeps reporting step timings to the sampler, so per-epoch rebalancing keeps working.
+    It behaves like the wrapped optimizer (``param_groups``, ``state``, ``defaults``, ``zero_grad``,
+    ``state_dict`` / ``load_state_dict`` all act on it, other attributes such as Horovod's ``synchronize``
+    are forwarded; ``isinstance(opt, torch.optim.Optimizer)`` holds, so torch LR schedulers accept it). Tensor
+    hooks (:class:`GradientWeighting`) weight each backward pass's gradients as the mode needs and report the
+    step timings to the sampler, so per-epoch rebalancing keeps working. :meth:`step` asks the aggregator to
+    exchange, steps the wrapped optimizer unless the exchange says to skip, and lets the aggregator finish the
+    step.
 
+    - ``"weighted"``: ``optimizer`` is Horovod's distributed optimizer; each rank's gradients are scaled by its
+      share b_i / B of the step and summed by Horovod's own all-reduce in :meth:`step`.
     - ``"deadline"`` / ``"wbsp"`` run a step as micro-batches, so the training loop must let the optimizer
       hand them out::
 
@@ -245,17 +151,17 @@ class AggregatingOptimizer(torch.optim.Optimizer):
                   loss_fn(model(x), y).backward()
               optimizer.step()
 
-      Each micro-batch's gradient is scaled by n_j / B (B the step's planned global batch) by tensor hooks;
-      :meth:`step` sums the ranks' gradients and the samples actually processed in one all-reduce and rescales,
-      so the update is the mean gradient over exactly the samples the step processed. ``deadline`` stops
-      before the step's deadline (``AggregationOptions.deadline`` of the planner's predicted step time; none
-      on the epoch's last step) and carries the rest into the next steps (first in line); ``wbsp`` claims
-      its own micro-batches and then takes unclaimed ones of other ranks' shares (loaded from ``dataset``)
-      through a ``torch.distributed.TCPStore`` served by rank 0.
+      Each micro-batch's gradient is scaled by n_j / B (B the step's planned global batch); :meth:`step` sums
+      the ranks' gradients and the samples actually processed in one all-reduce and rescales, so the update is
+      the mean gradient over exactly the samples the step processed. ``deadline`` stops before the step's
+      deadline (``AggregationOptions.deadline`` of the planner's predicted step time; none on the epoch's last
+      step) and carries the rest into the next steps (first in line); ``wbsp`` claims its own micro-batches
+      and then takes unclaimed ones of other ranks' shares (loaded from ``dataset``) through a
+      ``torch.distributed.TCPStore`` served by rank 0.
     - ``"pseudo_sync"``: :meth:`step` launches the all-reduce of this step's weighted gradient and applies the
-      previous step's reduced gradient, corrected by :class:`~hetero_plugins.aggregation.pseudo_sync.PseudoSyncCorrector`;
-      the first step only launches. Call :meth:`flush` after the last step to apply the gradient still in
-      flight (and before saving a checkpoint).
+      previous step's reduced gradient, corrected by
+      :class:`~hetero_plugins.aggregation.pseudo_sync.PseudoSyncCorrector`; the first step only launches. Call
+      :meth:`flush` after the last step to apply the gradient still in flight (and before saving a checkpoint).
     - ``"local_sgd"``: :meth:`step` is a local step on this rank's mean gradient; every ``local_steps`` steps
       and at every epoch's last step the parameters (and ``model``'s floating buffers) are averaged, weighted
       by the samples each rank processed since the last average.
@@ -263,117 +169,95 @@ class AggregatingOptimizer(torch.optim.Optimizer):
     ``micro_batches(batch)`` yields ``batch`` once in the modes that do not cut steps, and :meth:`flush` does
     nothing outside ``pseudo_sync``, so one loop works for every mode.
 
+    A :meth:`step` with no backward pass (and no ``micro_batches`` loop) since the previous step only
+    initialises the optimizer's state: it steps the wrapped optimizer on the gradients as they are, with no
+    exchange. That is what ``hvd.broadcast_optimizer_state`` does to a new optimizer (zero gradients, then
+    ``step()``), on every rank alike.
+
+    Args:
+        optimizer: the optimizer to step (Horovod's distributed optimizer in ``"weighted"``).
+        batch_sampler: the :class:`HeteroBatchSampler` feeding this rank.
+        aggregator: the mode's :class:`~hetero_plugins.aggregation.base.Aggregator` over the parameters of
+            ``optimizer`` (see :func:`~hetero_plugins.aggregation.make_aggregator`).
+        dataset: ``"wbsp"``: where stolen micro-batches are loaded from.
+        collate_fn: ``"wbsp"``: how they are collated (default ``default_collate``).
+        backward_passes_per_step: ``"weighted"``: backward passes accumulated per step.
+
     Attributes:
-        optimizer: the wrapped torch optimizer.
-        aggregation: the :class:`~hetero_plugins.aggregation.AggregationOptions` in force.
-        communication_bytes: bytes this rank put into gradient / model exchanges.
-        communication_rounds: number of those exchanges.
-        carried_samples: samples that missed a deadline so far (``deadline``; each was processed later).
-        stolen_samples: samples this rank processed from other ranks' shares (``wbsp``).
-        last_step_samples: every rank's processed samples in the last ``deadline`` / ``wbsp`` step.
-        backlogs: every rank's carried samples after the last ``deadline`` step.
+        optimizer: the wrapped optimizer.
+        aggregator: the mode's engine.
+        weighting: the :class:`GradientWeighting` hooks on the parameters.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         batch_sampler: HeteroBatchSampler,
-        aggregation: str | AggregationOptions,
+        aggregator: Aggregator,
         dataset: Any = None,
         collate_fn: Any = None,
-        model: torch.nn.Module | None = None,
         backward_passes_per_step: int = 1,
-        **kwargs: Any,
     ) -> None:
         # No Optimizer.__init__: the wrapped optimizer owns param_groups, state and the step hooks.
-        options = resolve_aggregation(aggregation)
-        mode = options.mode
-        if not options.explicit_sync:
-            raise ValueError(
-                "AggregatingOptimizer serves the explicit-exchange modes, not aggregation='weighted'. "
-                "HINT: use hetero_plugins.horovod.DistributedOptimizer(..., aggregation=...)."
-            )
-        if not isinstance(batch_sampler, HeteroBatchSampler):
-            raise ValueError(
-                f"`batch_sampler` must be the hetero_plugins.horovod.HeteroBatchSampler that feeds this rank, got "
-                f"{batch_sampler!r}."
-            )
-        if backward_passes_per_step != 1:
-            raise ValueError(
-                f"`backward_passes_per_step`={backward_passes_per_step} does not combine with aggregation={mode!r} "
-                "(the mode exchanges once per optimizer step). HINT: raise the sampler's batch_size instead, or use "
-                "aggregation='weighted'."
-            )
-        for key in kwargs:
-            if key in _HOROVOD_ONLY:
-                raise ValueError(
-                    f"`{key}` is an hvd.DistributedOptimizer option, which aggregation={mode!r} does not use: this "
-                    f"mode exchanges gradients itself. HINT: drop `{key}`, or use aggregation='weighted'."
-                )
-            raise ValueError(
-                f"`{key}` is not an option of hetero_plugins.horovod.DistributedOptimizer with aggregation={mode!r}. "
-                "HINT: see help(hetero_plugins.horovod.DistributedOptimizer)."
-            )
-        if options.micro_batched and batch_sampler.locality:
-            raise ValueError(
-                f"aggregation={mode!r} moves samples between steps and ranks, which a HeteroBatchSampler with "
-                "`locality=True` forbids (each rank keeps its shard). HINT: build the sampler with locality=False, "
-                "or use aggregation='weighted'."
-            )
-        if mode == "wbsp" and dataset is None:
-            raise ValueError(
-                "aggregation='wbsp' loads micro-batches of other ranks' shares, so it needs `dataset` (got None). "
-                "HINT: DistributedOptimizer(..., aggregation='wbsp', dataset=train_set, collate_fn=loader.collate_fn)."
-            )
-        if collate_fn is not None and not callable(collate_fn):
-            raise ValueError(f"`collate_fn` must be callable, got {collate_fn!r}. HINT: pass loader.collate_fn.")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise ValueError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
-        hvd = _hvd()
         self.__dict__["optimizer"] = optimizer
-        self._hvd = hvd
-        self.aggregation = options
-        self.hetero_sampler = batch_sampler
+        self.aggregator = aggregator
+        self.batch_sampler = batch_sampler
         self.dataset = dataset
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
-        self._model = model
-        self._params = trainable([p for g in optimizer.param_groups for p in g["params"]])
-        self.communication_bytes = 0
-        self.communication_rounds = 0
-        self.carried_samples = 0
-        self.stolen_samples = 0
-        self.last_step_samples: list[int] | None = None
-        self.backlogs: list[int] | None = None
-        self._steps = 0  # optimizer steps taken through this wrapper: equal on every rank
-        self._carry = CarryQueue()
-        self._mb: str | None = None  # the micro-batch loop of the step in progress: None, "running", "done"
-        self._mb_samples = 0
-        self._mb_planned = 0
-        self._backward_step: int | None = None
-        self._store: Any = None
-        self._claim_keys = ClaimKeys(keep=2)  # a step's keys are dead once every rank passed its exchange
-        self._corrector: PseudoSyncCorrector | None = None
-        self._delayed: DelayedExchange | None = None
-        self._local: LocalSGDSchedule | None = None
-        sampler = batch_sampler
-        if options.micro_batched:  # the weight n_j / B is set before every micro-batch; timing at the loop's end
-            self.hetero_weighting = GradientWeighting(self._params)
-        elif mode == "pseudo_sync":
-            self.hetero_weighting = GradientWeighting(
-                self._params, timer=sampler.timer, weight_fn=sampler.current_weight, on_backward_end=self._backward_end
-            )
-            self._corrector = PseudoSyncCorrector(
-                smoothing=float(options.smoothing),  # type: ignore[arg-type]
-                min_confidence=float(options.min_confidence),  # type: ignore[arg-type]
-            )
-            self._delayed = DelayedExchange(self._launch)
-        else:  # local_sgd: local steps on this rank's own mean gradient (weight 1)
-            self.hetero_weighting = GradientWeighting(
-                self._params, timer=sampler.timer, on_backward_end=self._backward_end
-            )
-            self._local = LocalSGDSchedule(local_steps=options.local_steps)  # type: ignore[arg-type]
-        if mode == "wbsp":
-            self._start_claim_store()
+        self.backward_passes_per_step = backward_passes_per_step
+        self._ctx: StepContext | None = None  # the micro-batched step in progress
+        self._loop: str | None = None  # its loop over micro_batches(): None, "running", "done"
+        self._backwards = 0  # backward passes since the last step
+        self._backward_step: int | None = None  # the sampler's step of the last backward pass
+        explicit = aggregator.options.explicit_sync
+        self.weighting = GradientWeighting(
+            aggregator.params,
+            timer=None if aggregator.micro_batched else batch_sampler.timer,  # micro-batched: timed at the loop's end
+            weight_fn=None if explicit else batch_sampler.current_weight,  # weighted: b_i / B of each pass's step
+            on_backward_end=self._backward_end,
+        )
+        aggregator.setup([optimizer])  # collective: wbsp opens its claim store
+
+    # ------------------------------------------------------------------ what the run reports
+    @property
+    def aggregation(self) -> AggregationOptions:
+        """The :class:`~hetero_plugins.aggregation.AggregationOptions` in force."""
+        return self.aggregator.options
+
+    @property
+    def stats(self) -> AggregationStats:
+        """What the aggregator did so far on this rank (bytes, rounds, carried and stolen samples)."""
+        return self.aggregator.stats
+
+    @property
+    def communication_bytes(self) -> int:
+        """Bytes this rank put into gradient / model exchanges (``"weighted"``: uncompressed gradients)."""
+        return self.aggregator.stats.bytes
+
+    @property
+    def communication_rounds(self) -> int:
+        """Number of those exchanges."""
+        return self.aggregator.stats.rounds
+
+    @property
+    def carried_samples(self) -> int:
+        """Samples that missed a deadline so far (``deadline``; each was processed later)."""
+        return self.aggregator.stats.carried
+
+    @property
+    def stolen_samples(self) -> int:
+        """Samples this rank processed from other ranks' shares (``wbsp``)."""
+        return self.aggregator.stats.stolen
+
+    @property
+    def last_step_samples(self) -> list[int] | None:
+        """Every rank's processed samples in the last ``deadline`` / ``wbsp`` step."""
+        return self.aggregator.last_counts
+
+    @property
+    def backlogs(self) -> list[int] | None:
+        """Every rank's carried samples after the last ``deadline`` step."""
+        return self.aggregator.backlogs
 
     # ------------------------------------------------------------------ the wrapped optimizer
     @property
@@ -420,14 +304,20 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         return f"AggregatingOptimizer(aggregation={self.aggregation.mode!r}, optimizer={self.optimizer!r})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.aggregation.explicit_sync:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self.optimizer.zero_grad()  # Horovod's own takes no argument
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state (``pseudo_sync``: :meth:`flush` first; nothing in flight is saved)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state; a step in progress is forgotten (an elastic reset restores the
+        last commit this way, and every rank then starts the next step afresh)."""
         self.optimizer.load_state_dict(state_dict)
+        self._ctx, self._loop, self._backward_step, self._backwards = None, None, None, 0
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError(
@@ -443,128 +333,70 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         deadline; ``wbsp``: this rank's unclaimed micro-batches, then other ranks' (loaded from ``dataset``).
         Other modes: ``batch`` once. Iterate it to the end, then call :meth:`step`.
         """
-        options = self.aggregation
-        if not options.micro_batched:
+        aggregator = self.aggregator
+        if not aggregator.micro_batched:
             yield batch
             return
-        if self._mb is not None:
+        if self._loop is not None:
             raise RuntimeError(
-                f"optimizer.micro_batches() was called again before optimizer.step() (aggregation={options.mode!r}). "
+                "optimizer.micro_batches() was called again before optimizer.step() "
+                f"(aggregation={self.aggregation.mode!r}). "
                 "HINT: per batch: zero_grad(); for mb in optimizer.micro_batches(batch): backward; then step()."
             )
-        sampler = self.hetero_sampler
-        rank = sampler.rank
-        step = sampler.steps_done
-        layout = sampler._segment()[2]
-        if step >= layout.steps:
-            raise RuntimeError(
-                f"step {step} is past the epoch's {layout.steps} steps (aggregation={options.mode!r}). "
-                "HINT: call sampler.set_epoch(epoch) every epoch and micro_batches() once per batch of the loader."
-            )
-        counts = sampler.step_counts(step)
-        planned = sum(counts)
-        n = batch_length(batch)
-        if n != counts[rank]:
-            raise ValueError(
-                f"micro_batches() got a batch of {n} samples, but this rank's batch of step {step} has "
-                f"{counts[rank]} (aggregation={options.mode!r}). HINT: pass the batch the HeteroBatchSampler's "
-                "loader yields, unchanged, once per step."
-            )
-        if step == 0 and len(self._carry):
-            log.warning("aggregation='deadline': %d carried samples dropped at an epoch's start (the previous epoch "
-                        "was cut short)", self._carry.clear())
-        parts = int(options.micro_batches)  # type: ignore[arg-type]
-        sizes = micro_batch_sizes(counts[rank], parts)
-        weighting = self.hetero_weighting
-        self._mb, self._mb_samples, self._mb_planned = "running", 0, planned
-        if options.mode == "deadline":
-            last = step + 1 >= layout.steps  # the epoch's last step has no deadline: the carry is flushed
-            predicted = sampler.planner.predict_step_time(counts)
-            rule = DeadlineRule(math.inf if last else options.deadline(predicted))
-            before, from_carry = self._carry.samples, 0
-            for mb in deadline_micro_batches(batch, sizes, rule, self._carry, rank, step):
-                weighting.set_weight(mb.samples / planned)
-                yield mb.data
-                self._mb_samples += mb.samples
-                from_carry += mb.samples if mb.step != step else 0
-            self.carried_samples += self._carry.samples - (before - from_carry)  # newly carried this step
-        else:  # wbsp
-            prefix = f"hetero_plugins/{self._steps}"
-            per_rank = [len(micro_batch_sizes(c, parts)) for c in counts]
-            claims = StepClaims(self._store, prefix, per_rank)
-            device = _device_of(batch)
-
-            def load(owner: int, index: int) -> tuple[Any, int]:
-                return self._load_micro_batch(step, owner, index, parts, device)
-
-            for mb in wbsp_micro_batches(batch, counts, parts, rank, claims, load, sampler.planner.rates(counts)):
-                weighting.set_weight(mb.samples / planned)
-                yield mb.data
-                self._mb_samples += mb.samples
-                if mb.owner != rank:
-                    self.stolen_samples += mb.samples
-            self._claim_keys.forget(self._store, claims.keys(rank))
-        timer = sampler.timer
-        timer.set_samples(self._mb_samples)  # stolen samples count for this rank, missed ones do not
-        timer.mark_gradients_ready()
-        self._mb = "done"
+        sampler = self.batch_sampler
+        ctx = self._context(sampler.steps_done, batch)
+        self._loop, self._ctx = "running", ctx
+        done = 0
+        for mb in aggregator.micro_batches(batch, ctx):
+            self.weighting.set_weight(mb.weight)
+            yield mb.data
+            done += mb.samples
+        sampler.timer.set_samples(done)  # stolen samples count for this rank, missed ones do not
+        sampler.timer.mark_gradients_ready()
+        self._loop = "done"
         sampler._on_backward_end()
 
     def step(self, closure: Any = None) -> Any:
         """Exchange as the mode does, then step the wrapped optimizer (see the class doc)."""
-        if _called_by_horovod_broadcast():  # hvd.broadcast_optimizer_state initialising the state
-            return self.optimizer.step(closure)
-        options = self.aggregation
-        mode = options.mode
-        sampler = self.hetero_sampler
+        aggregator = self.aggregator
+        mode = self.aggregation.mode
+        explicit = self.aggregation.explicit_sync
+        if closure is not None and aggregator.micro_batched:
+            raise ValueError(
+                f"aggregation={mode!r} does not take a `closure`: the micro-batches are back-propagated by the "
+                "loop over optimizer.micro_batches(batch). HINT: call optimizer.step() without arguments."
+            )
         loss = None
-        if options.micro_batched:
-            if closure is not None:
-                raise ValueError(
-                    f"aggregation={mode!r} does not take a `closure`: the micro-batches are back-propagated by the "
-                    "loop over optimizer.micro_batches(batch). HINT: call optimizer.step() without arguments."
-                )
-            if self._mb is None:
+        if closure is not None and explicit:
+            with torch.enable_grad():
+                loss = closure()
+        if closure is None and self._backwards == 0 and self._loop is None:
+            return self._initialise_state()
+        if aggregator.micro_batched:
+            if self._loop is None:
                 raise RuntimeError(
                     f"aggregation={mode!r} runs each step as micro-batches, but optimizer.step() was called without "
                     "them. HINT: `for x, y in optimizer.micro_batches(batch): loss_fn(model(x), y).backward()` "
                     "before optimizer.step()."
                 )
-            if self._mb == "running":
+            if self._loop == "running":
                 raise RuntimeError(
                     f"optimizer.step() was called before the loop over optimizer.micro_batches(batch) ended "
                     f"(aggregation={mode!r}); its remaining micro-batches would be lost. HINT: iterate "
                     "micro_batches(batch) to the end (no break) before optimizer.step()."
                 )
-            self._mb = None
-            world = sampler.world_size
-            counts, backlogs = sync_sample_weighted(
-                self._params, self._mb_samples, self._mb_planned, sampler.rank, world, self._allreduce,
-                backlog=self._carry.samples,
-            )
-            self._count(sum(p.numel() for p in self._params) + 2 * world)
-            self.last_step_samples, self.backlogs = counts, backlogs
-            self.optimizer.step()
-        elif mode == "pseudo_sync":
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            assert self._delayed is not None and self._corrector is not None
-            flat = flat_gradients(self._params)
-            previous = self._delayed.exchange(flat)
-            self._count(flat.numel())
-            if previous is not None:  # the very first step only launches: there is no earlier gradient yet
-                set_flat_gradients(self._params, self._corrector.combine(previous))
-                self.optimizer.step()
-        else:  # local_sgd
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self.optimizer.step()
-            self._after_local_step()
-        self._steps += 1
-        self._backward_step = None
-        sampler._on_step_end()
+            ctx = self._ctx
+            assert ctx is not None
+        else:
+            step = self._backward_step
+            ctx = self._context(step if step is not None else max(0, self.batch_sampler.steps_done - 1))
+        if aggregator.exchange(ctx):
+            out = self.optimizer.step(None if explicit else closure)  # weighted: Horovod's step all-reduces
+            if not explicit:
+                loss = out
+        aggregator.after_step(ctx)
+        self._ctx, self._loop, self._backward_step, self._backwards = None, None, None, 0
+        self.batch_sampler._on_step_end()
         return loss
 
     def flush(self) -> bool:
@@ -572,66 +404,76 @@ class AggregatingOptimizer(torch.optim.Optimizer):
 
         Returns whether a gradient was applied (always ``False`` in the other modes). Every rank must call it.
         """
-        if self._delayed is None or self._corrector is None:
+        if not self.aggregator.flush():
             return False
-        last = self._delayed.flush()
-        if last is None:
-            return False
-        set_flat_gradients(self._params, self._corrector.combine(last))
         self.optimizer.step()
         self.optimizer.zero_grad()
         return True
 
     # ------------------------------------------------------------------ internals
+    def _initialise_state(self) -> Any:
+        """A step with no backward pass: create the optimizer's state from the gradients as they are."""
+        skip = getattr(self.optimizer, "skip_synchronize", None)  # Horovod's optimizer: no all-reduce either
+        if skip is None:
+            return self.optimizer.step()
+        with skip():
+            return self.optimizer.step()
+
     def _backward_end(self) -> None:
-        self._backward_step = self.hetero_sampler.steps_done
-        self.hetero_sampler._on_backward_end()
+        self._backwards += 1
+        if self.aggregator.micro_batched:
+            return  # the loop over micro_batches() ends the step's backward once
+        sampler = self.batch_sampler
+        self._backward_step = sampler.steps_done
+        sampler._on_backward_end()
+        if self._backwards < self.backward_passes_per_step:
+            sampler._on_step_end()  # an accumulated pass: no collective waits before the next
 
-    def _count(self, elements: int) -> None:
-        dtype = self._params[0].dtype if self._params and self._params[0].is_floating_point() else torch.float32
-        self.communication_bytes += int(elements) * torch.tensor([], dtype=dtype).element_size()
-        self.communication_rounds += 1
-
-    def _allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self._hvd.allreduce(tensor, op=self._hvd.Sum, name="hetero_plugins.aggregation.sync")
-
-    def _launch(self, tensor: torch.Tensor) -> _HorovodHandle:
-        assert self._delayed is not None
-        name = f"hetero_plugins.aggregation.pseudo_sync.{self._delayed.launched % 2}"  # two may be in flight
-        return _HorovodHandle(self._hvd, self._hvd.allreduce_async(tensor, op=self._hvd.Sum, name=name))
-
-    def _after_local_step(self) -> None:
-        assert self._local is not None
-        sampler = self.hetero_sampler
-        step = self._backward_step if self._backward_step is not None else max(0, sampler.steps_done - 1)
-        layout = sampler._segment()[2]
-        samples = layout.step_counts(min(step, layout.steps - 1))[sampler.rank]
-        due = self._local.step_done(samples)
-        if due or step + 1 >= layout.steps:  # also at the epoch's end: every epoch ends on one model
-            tensors = list(self._params)
-            if self._model is not None:
-                seen = {id(t) for t in tensors}
-                tensors += [b for b in self._model.buffers() if b.is_floating_point() and id(b) not in seen]
-            info = weighted_average_(
-                tensors, self._local.samples_since_average,
-                lambda t: self._hvd.allreduce(t, op=self._hvd.Sum, name="hetero_plugins.aggregation.local_sgd"),
+    def _context(self, step: int, batch: Any = None) -> StepContext:
+        """Step ``step`` of the sampler's epoch (segment) as the aggregator sees it."""
+        sampler = self.batch_sampler
+        steps = sampler._segment()[2].steps  # the epoch's layout: the one source of its last step
+        micro = self.aggregator.micro_batched
+        if micro and step >= steps:
+            raise RuntimeError(
+                f"step {step} is past the epoch's {steps} steps (aggregation={self.aggregation.mode!r}). "
+                "HINT: call sampler.set_epoch(epoch) every epoch and micro_batches() once per batch of the loader."
             )
-            self.communication_bytes += int(info["bytes"])
-            self.communication_rounds += 1
-            self._local.averaged()
+        step = min(step, steps - 1)  # "weighted" past the end: the sampler already warned
+        counts = tuple(sampler.step_counts(step))
+        last = step + 1 >= steps
+        if not micro:
+            return StepContext(step, counts, sampler.rank, last)
+        device = _device_of(batch)
 
-    def _start_claim_store(self) -> None:
-        """``wbsp``: one TCP key-value store for the claim counters, served by rank 0. Collective."""
-        self._store = open_claim_store(
-            self._hvd.rank(), socket.gethostname(),
-            lambda obj: self._hvd.broadcast_object(obj, root_rank=0, name="hetero_plugins.aggregation.store"),
-            float(self.aggregation.claim_timeout),  # type: ignore[arg-type]
-        )
+        def load(indices: Sequence[int]) -> Any:
+            data = self.collate_fn([self.dataset[i] for i in indices])
+            return data if device is None else _to_device(data, device)
 
-    def _load_micro_batch(self, step: int, owner: int, index: int, parts: int, device: torch.device | None) -> tuple[Any, int]:
-        """Micro-batch ``index`` of ``owner``'s share of ``step``, loaded from the dataset and collated."""
-        chosen = unit_indices(self.hetero_sampler.batch_indices(step, owner), parts, index)
-        data = self.collate_fn([self.dataset[i] for i in chosen])
-        if device is not None:
-            data = _to_device(data, device)
-        return data, len(chosen)
+        return StepContext(step, counts, sampler.rank, last, planner=sampler.planner,
+                           indices_of=lambda owner: sampler.batch_indices(step, owner), load=load)
+
+
+def _device_of(batch: Any) -> torch.device | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.device
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for v in batch:
+            d = _device_of(v)
+            if d is not None:
+                return d
+    return None
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch

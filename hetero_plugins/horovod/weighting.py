@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hetero_plugins.telemetry import StepTimer
 
 __all__ = ["GradientWeighting"]
 
@@ -35,8 +38,8 @@ class GradientWeighting:
         self,
         params: Iterable[torch.Tensor],
         timer: StepTimer | None = None,
-        weight_fn: Any = None,
-        on_backward_end: Any = None,
+        weight_fn: Callable[[], float] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
     ) -> None:
         self.weight = 1.0
         self.timer = timer
@@ -46,7 +49,8 @@ class GradientWeighting:
         self._handles = [p.register_hook(self._hook) for p in params if p.requires_grad]
 
     def set_weight(self, weight: float) -> None:
-        """This rank's share b_i / B of the coming backward pass's samples (``BatchBalancer`` calls it)."""
+        """The factor of the coming backward pass's gradients: this rank's share b_i / B of the step
+        (``BatchBalancer`` calls it), or a micro-batch's n_j / B."""
         self.weight = float(weight)
 
     def remove(self) -> None:

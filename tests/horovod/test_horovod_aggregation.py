@@ -83,3 +83,12 @@ def test_local_sgd_communicates_one_in_h_and_ends_identical(results):
     assert 0.2 <= local / weighted <= 0.3, (local, weighted)  # H = 4
     assert r["local_sgd"]["communication_rounds"] == [4, 4]
     assert r["local_sgd"]["rank_param_diff"] < 1e-12
+
+
+def test_broadcast_optimizer_state_only_initialises_the_state(results):
+    r = results["init_state"]
+    for mode in ("weighted", "deadline", "wbsp", "pseudo_sync", "local_sgd"):
+        # a step() with no backward pass since the last one: momentum buffers exist, nothing was exchanged,
+        # the zero gradients moved no parameter, and the sampler saw no step
+        assert r[mode] == {"state": 4, "rounds": 0, "unchanged": True, "steps_done": 0}, (mode, r[mode])
+    assert r["weighted_worst"] < 1e-9

@@ -14,6 +14,9 @@ Phases:
     pseudo_sync     min_confidence=1.0 equals a one-process replay of one-step-delayed SGD (first step
                     skipped, final flush applied).
     local_sgd       communication bytes per epoch vs "weighted"; ranks end on identical parameters.
+    init_state      hvd.broadcast_optimizer_state on a new optimizer of each mode: its step() (no backward pass
+                    since the last step) only initialises the state, with no exchange; "weighted" then trains
+                    exactly like one process on each step's union.
 """
 
 from __future__ import annotations
@@ -239,6 +242,29 @@ def phase_local_sgd(data: Any) -> dict[str, Any]:
     return {"weighted": weighted["summary"], "local_sgd": local["summary"]}
 
 
+def phase_init_state(data: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    dataset = data[2]
+    for mode in ("weighted", "deadline", "wbsp", "pseudo_sync", "local_sgd"):
+        model = make_model(0)
+        sampler = hh.HeteroBatchSampler(N, batch_size=BATCH, seed=1)
+        opt = hh.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), named_parameters=model.named_parameters(),
+            batch_sampler=sampler, aggregation=mode, dataset=dataset,
+        )
+        before = flat_params(model)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        out[mode] = {
+            "state": len(opt.state_dict()["state"]),
+            "rounds": opt.communication_rounds,
+            "unchanged": bool(torch.equal(before, flat_params(model))),
+            "steps_done": sampler.steps_done,
+        }
+    weighted = train(data, "weighted", reference="union", broadcast_state=True, epochs=1)
+    out["weighted_worst"] = weighted["summary"]["worst"]
+    return out
+
+
 PHASES = {
     "errors": phase_errors,
     "wbsp": phase_wbsp,
@@ -246,6 +272,7 @@ PHASES = {
     "deadline_stall": phase_deadline_stall,
     "pseudo_sync": phase_pseudo_sync,
     "local_sgd": phase_local_sgd,
+    "init_state": phase_init_state,
 }
 
 

@@ -1,0 +1,305 @@
+"""``aggregation="wbsp"``: a rank that finishes its share takes unclaimed micro-batches of slower ranks.
+
+After one unit, a rank claims as much of its share as it can finish by the *balanced time* (when all ranks
+would finish if the step's samples were shared by this step's measured rates, which each rank reports after
+its first unit); the units it leaves are claimed by ranks that finish early, which load them from the dataset
+(WBSP's busy workers, Yang et al. 2024, translated to all-reduce; SA-ATP's leading workers helping the
+straggler, Li et al. 2024). A thief that would finish a unit late leaves it to faster ones until the step is
+overdue, so no unit is stranded. Every unit is claimed exactly once, so the step's samples are exactly the
+planned ones and the update is exact DDP maths.
+
+- :class:`StepClaims` claims micro-batches of any rank's share exactly once through a key-value store's atomic
+  ``add`` (a ``torch.distributed.TCPStore`` served by rank 0: :func:`open_claim_store`);
+- :class:`ClaimKeys` deletes the keys of steps every rank is past;
+- :func:`wbsp_micro_batches` yields a rank's micro-batches of a step (no collective: the store coordinates);
+- :class:`WBSPAggregator` is the mode's engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetero_plugins.aggregation.base import SampleWeightedAggregator, StepContext
+from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, take_rows, unit_indices
+from hetero_plugins.collectives import Collectives, open_tcp_store
+
+__all__ = ["ClaimKeys", "StepClaims", "WBSPAggregator", "open_claim_store", "wbsp_micro_batches"]
+
+#: Every claim key starts with this, followed by the step's number in the aggregator's life (``/{n}``).
+CLAIM_NAMESPACE = "hetero_plugins/wbsp"
+
+
+@dataclass
+class StepClaims:
+    """Claims on the micro-batches of one step, exactly once each, through a store's atomic ``add``.
+
+    Every rank's share of the step is cut into ``counts[r]`` micro-batches; a claim on rank r's share returns
+    the next unclaimed index, or ``None`` once all are taken. Owners claim their own share first; a rank
+    whose share is used up claims from the share with most micro-batches left (WBSP's busy workers).
+
+    Args:
+        store: anything with ``add(key: str, amount: int) -> int`` that is atomic across ranks.
+        prefix: a key prefix unique to this step (e.g. ``"hetero_plugins/wbsp/{n}"``).
+        counts: micro-batches of each rank's share.
+
+    Example::
+
+        >>> class Store(dict):
+        ...     def add(self, key, n):
+        ...         self[key] = self.get(key, 0) + n
+        ...         return self[key]
+        >>> claims = StepClaims(Store(), "s0", [2, 1])
+        >>> [claims.claim(0), claims.claim(0), claims.claim(0)], claims.steal(exclude=0)
+        ([0, 1, None], (1, 0))
+    """
+
+    store: Any
+    prefix: str
+    counts: Sequence[int]
+    taken: dict[int, int] = field(default_factory=dict)
+
+    def _key(self, owner: int) -> str:
+        return f"{self.prefix}/{owner}"
+
+    def claim(self, owner: int) -> int | None:
+        """The next unclaimed micro-batch of ``owner``'s share, or ``None``."""
+        n = int(self.store.add(self._key(owner), 1))
+        return n - 1 if n <= self.counts[owner] else None
+
+    def claim_many(self, owner: int, count: int) -> range:
+        """The next ``count`` unclaimed micro-batches of ``owner``'s share (fewer, or none, near the end)."""
+        n = int(self.store.add(self._key(owner), int(count)))
+        return range(min(n - int(count), self.counts[owner]), min(n, self.counts[owner]))
+
+    def claimed(self, owner: int) -> int:
+        """Micro-batches of ``owner``'s share claimed so far (by anyone)."""
+        return min(int(self.store.add(self._key(owner), 0)), int(self.counts[owner]))
+
+    def left(self, exclude: int | None = None) -> int:
+        """Micro-batches not yet claimed, over every share but ``exclude``'s."""
+        return sum(self.counts[r] - self.claimed(r) for r in range(len(self.counts)) if r != exclude)
+
+    def steal(self, exclude: int) -> tuple[int, int] | None:
+        """Claim a micro-batch from the share with most left; ``(owner, index)`` or ``None`` when none is left."""
+        while True:
+            left = {r: self.counts[r] - self.claimed(r) for r in range(len(self.counts)) if r != exclude}
+            left = {r: n for r, n in left.items() if n > 0}
+            if not left:
+                return None
+            victim = max(left, key=lambda r: (left[r], -r))
+            index = self.claim(victim)
+            if index is not None:
+                self.taken[victim] = self.taken.get(victim, 0) + 1
+                return victim, index
+
+    def rate_key(self, rank: int) -> str:
+        """Where ``rank`` reports its pace in this step (``wbsp``)."""
+        return f"{self.prefix}/rate/{rank}"
+
+    @property
+    def free_key(self) -> str:
+        """Counts the ranks that have finished their own share in this step (``wbsp``)."""
+        return f"{self.prefix}/free"
+
+    def keys(self, rank: int) -> list[str]:
+        """The keys ``rank`` leaves in the store for this step (to delete once every rank is past it)."""
+        return [self._key(rank), self.rate_key(rank), self.free_key]
+
+
+class ClaimKeys:
+    """Deletes the store keys of past steps, keeping the last ``keep`` steps' (slower ranks may still read them).
+
+    Example::
+
+        >>> class Store(dict):
+        ...     def delete_key(self, key):
+        ...         return self.pop(key, None) is not None
+        >>> store, keys = Store(a=1, b=2), ClaimKeys(keep=1)
+        >>> keys.forget(store, ["a"]); keys.forget(store, ["b"]); sorted(store)
+        ['b']
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._steps: deque[list[str]] = deque()
+
+    def forget(self, store: Any, keys: Sequence[str]) -> None:
+        self._steps.append(list(keys))
+        while len(self._steps) > self.keep:
+            for key in self._steps.popleft():
+                try:
+                    store.delete_key(key)
+                except Exception:  # noqa: BLE001 - cleanup only
+                    pass
+
+
+def open_claim_store(comm: Collectives, timeout: float) -> Any:
+    """The key-value store of the claim counters: a ``torch.distributed.TCPStore`` served by rank 0, every
+    operation bounded by ``timeout`` seconds. Collective."""
+    return open_tcp_store(comm, timeout, name="hetero_plugins.aggregation.store")
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def wbsp_micro_batches(
+    batch: Any,
+    counts: Sequence[int],
+    parts: int,
+    rank: int,
+    claims: StepClaims,
+    load: Callable[[int, int], tuple[Any, int]],
+    model_rates: Sequence[float | None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    poll: float = 0.002,
+) -> Iterator[MicroBatch]:
+    """Yield this rank's micro-batches of a ``wbsp`` step: its own share's units, then other ranks' units.
+
+    Args:
+        batch: this rank's batch of the step (collated).
+        counts: every rank's planned samples in the step.
+        parts: units per share (``micro_batch_sizes(counts[r], parts)``).
+        claims: the step's claim counters (same ``prefix`` on every rank).
+        load: ``load(owner, index)`` -> ``(data, samples)`` of another rank's unit (from the dataset).
+        model_rates: each rank's predicted samples per second (``None`` entries: unknown).
+
+    Example (one rank, a dict store)::
+
+        >>> import torch
+        >>> class Store(dict):
+        ...     def add(self, key, n):
+        ...         self[key] = self.get(key, 0) + n
+        ...         return self[key]
+        >>> claims = StepClaims(Store(), "s", [4])
+        >>> [m.samples for m in wbsp_micro_batches(torch.zeros(8, 1), [8], 4, 0, claims, load=None)]
+        [2, 6]
+    """
+    store = claims.store
+    sizes = micro_batch_sizes(counts[rank], parts)
+    offsets = _offsets(sizes)
+    rates_known = list(model_rates) if model_rates is not None else [None] * len(counts)
+    planned = sum(counts)
+    start = clock()
+    done = 0
+    reported = False
+
+    def finish(samples: int) -> float:
+        elapsed = clock() - start
+        return elapsed + elapsed / done * samples if done else math.inf
+
+    def others_free() -> bool:
+        return int(store.add(claims.free_key, 0)) > 0
+
+    def balanced_time() -> float:
+        reported_rates = [int(store.add(claims.rate_key(r), 0)) / 1000.0 for r in range(len(counts))]
+        known = [x for x in reported_rates if x > 0]
+        mean = sum(known) / len(known) if known else 0.0
+        rates = [x if x > 0 else (m or mean) for x, m in zip(reported_rates, rates_known)]
+        return planned / sum(rates) if rates and all(x > 0 for x in rates) else math.inf
+
+    while (left := len(sizes) - claims.claimed(rank)) > 0:
+        first = len(sizes) - left
+        if not done:
+            count = 1  # one unit first: it tells this rank's pace in this step
+        else:
+            elapsed = clock() - start
+            rate = done / max(elapsed, 1e-9)
+            if not reported:
+                store.add(claims.rate_key(rank), max(1, int(rate * 1000)))
+                reported = True
+            budget = (1.15 * balanced_time() - elapsed) * rate
+            count, acc = 0, 0
+            for unit in sizes[first:]:
+                if acc + unit > budget:
+                    break
+                acc, count = acc + unit, count + 1
+            if count == 0:
+                # Past the balanced time: give idle ranks a moment to take the next unit, then take it.
+                until = 1.2 * balanced_time()
+                while others_free() and clock() - start < until and claims.claimed(rank) < len(sizes):
+                    time.sleep(poll)
+                count = 1
+        got = claims.claim_many(rank, count)
+        if got:
+            lo, hi = offsets[got.start], offsets[got.stop]
+            yield MicroBatch(take_rows(batch, lo, hi), hi - lo, rank, 0, got.start)
+            done += hi - lo
+    store.add(claims.free_key, 1)
+    unit = max((max(micro_batch_sizes(c, parts), default=0) for c in counts), default=0)
+    while claims.left(exclude=rank):
+        horizon = 1.5 * balanced_time()
+        if done and finish(unit) > horizon and clock() - start < horizon:
+            time.sleep(poll)  # a slow thief leaves the unit to faster ones until the step is overdue
+            continue
+        stolen = claims.steal(exclude=rank)
+        if stolen is None:
+            break
+        owner, index = stolen
+        data, samples = load(owner, index)
+        yield MicroBatch(data, samples, owner, 0, index)
+        done += samples
+
+
+class WBSPAggregator(SampleWeightedAggregator):
+    """``aggregation="wbsp"`` (see the module doc).
+
+    Claim keys are ``hetero_plugins/wbsp/{n}/...``, ``n`` counting the steps this aggregator ran (equal on every
+    rank: each runs every step's micro-batches once), so a repeated epoch or step number never meets old
+    counters. A rank deletes its keys of a step two steps later: by then every rank has passed the exchange
+    of the step in between, so none still reads them.
+
+    Attributes:
+        store: the claim store (opened by :meth:`setup`).
+    """
+
+    mode = "wbsp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert self.options.micro_batches is not None and self.options.claim_timeout is not None  # filled per mode
+        self.parts = self.options.micro_batches
+        self.claim_timeout = self.options.claim_timeout
+        self.store: Any = None
+        self._keys = ClaimKeys(keep=2)
+        self._steps = 0
+
+    def setup(self, optimizers: Sequence[Any]) -> None:
+        super().setup(optimizers)
+        if self.store is None:
+            self.store = open_claim_store(self.comm, self.claim_timeout)
+
+    def micro_batches(self, batch: Any, ctx: StepContext) -> Iterator[MicroBatch]:
+        """This rank's unclaimed micro-batches of its share, then other ranks' (loaded through ``ctx.load``)."""
+        if self.store is None or ctx.indices_of is None or ctx.load is None:
+            raise RuntimeError(
+                "aggregation='wbsp' needs its claim store and a way to load other ranks' samples. HINT: call "
+                "setup(optimizers) on every rank first, and give the StepContext `indices_of` and `load`."
+            )
+        self._begin(batch, ctx)
+        parts = self.parts
+        claims = StepClaims(self.store, f"{CLAIM_NAMESPACE}/{self._steps}",
+                            [len(micro_batch_sizes(c, parts)) for c in ctx.counts])
+        self._steps += 1
+        indices_of, fetch = ctx.indices_of, ctx.load
+
+        def load(owner: int, index: int) -> tuple[Any, int]:
+            chosen = unit_indices(indices_of(owner), parts, index)
+            return fetch(chosen), len(chosen)
+
+        rates = ctx.planner.rates(ctx.counts) if ctx.planner is not None else None
+        for mb in wbsp_micro_batches(batch, ctx.counts, parts, ctx.rank, claims, load, rates):
+            mb.step, mb.weight = ctx.step, mb.samples / ctx.planned
+            yield mb
+            self.step_samples += mb.samples
+            if mb.owner != ctx.rank:
+                self.stats.stolen += mb.samples
+        self._keys.forget(self.store, claims.keys(ctx.rank))
