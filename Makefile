@@ -22,8 +22,10 @@ $(HVD_STAMP): $(STAMP) scripts/install_horovod.sh
 
 horovod: $(HVD_STAMP)
 
+# The main job, then the report of its HeteroDDPStrategy run: the command a user runs on a run.
 demo: $(STAMP)
-	$(VENV)/bin/hetero-plugins demo
+	$(VENV)/bin/hetero-plugins demo --out demo_output
+	$(VENV)/bin/hetero-plugins report demo_output/run --out demo_output/report.png
 
 test: $(STAMP) $(HVD_STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest

@@ -4,7 +4,9 @@ Run::
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/horovod_train.py --speeds 1,0.25
 
-``--speeds`` emulates heterogeneous workers on any machine: before backward each rank sleeps
+It runs where you are: ``--accelerator auto`` (the default) puts local rank i on GPU i when there are GPUs
+(``--devices 2,3`` picks others) and trains on the CPU otherwise; the number of ranks is horovodrun's
+``-np``. ``--speeds`` emulates heterogeneous workers on any machine: before backward each rank sleeps
 ``cost_per_sample * local_batch / speed`` seconds (:class:`~hetero_plugins.emulation.EmulationModel`), so a
 rank at 0.25 is four times slower. With ``hetero_plugins.horovod`` the planner gives the slow rank fewer
 samples after the first epoch; ``--stock`` runs the baseline (``hvd.DistributedOptimizer`` with a
@@ -39,6 +41,10 @@ def make_model() -> nn.Module:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--accelerator", default="auto", choices=["auto", "gpu", "cpu"],
+                   help="auto: local rank i on GPU i when there are GPUs, else the CPU (default)")
+    p.add_argument("--devices", default="auto",
+                   help="GPU index per local rank, comma-separated (auto: local rank i on GPU i); GPUs only")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size at the start")
     p.add_argument("--lr", type=float, default=0.05)
@@ -53,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.epochs < 1:
         p.error(f"--epochs must be >= 1, got {args.epochs}")
+    if args.devices != "auto" and not all(d.strip().isdigit() for d in args.devices.split(",")):
+        p.error(f"--devices must be auto or comma-separated GPU indices, e.g. 0,1; got {args.devices!r}")
+    if args.accelerator == "auto":
+        args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if args.accelerator == "cpu" and args.devices != "auto":
+        p.error(f"--devices {args.devices} picks GPUs, but the accelerator is the CPU. HINT: on the CPU the ranks "
+                "are horovodrun's -np; drop --devices or use --accelerator gpu.")
     return args
 
 
@@ -61,6 +74,17 @@ def main(argv: list[str] | None = None) -> None:
     hvd.init()
     torch.set_num_threads(1)
     rank, world = hvd.rank(), hvd.size()
+    if args.accelerator == "gpu":
+        gpus = (list(range(torch.cuda.device_count())) if args.devices == "auto"
+                else [int(d) for d in args.devices.split(",")])
+        if hvd.local_rank() >= len(gpus):
+            raise ValueError(f"local rank {hvd.local_rank()} has no GPU: {len(gpus)} listed ({gpus}). HINT: start "
+                             "at most one rank per GPU on each host (horovodrun -np, -H host:slots) or list more "
+                             "--devices.")
+        device = torch.device("cuda", gpus[hvd.local_rank()])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     emu = None
     if args.speeds:
         speeds = [float(s) for s in args.speeds.split(",")]
@@ -70,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     train_set, val_set = digits_datasets(seed=args.seed)
     torch.manual_seed(args.seed)
-    model = make_model()
+    model = make_model().to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     if args.stock:
@@ -83,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = hh.DistributedOptimizer(base, named_parameters=model.named_parameters(), batch_sampler=sampler,
                                             aggregation=args.aggregation, dataset=train_set, model=model)
     loss_fn = nn.CrossEntropyLoss()
-    val_x, val_y = val_set.tensors
+    val_x, val_y = (t.to(device) for t in val_set.tensors)
 
     epochs = []
     for epoch in range(args.epochs):
@@ -96,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             # The stock optimizer takes the batch whole; ours yields micro-batches in the modes that need them
             # (deadline, wbsp) and the whole batch otherwise.
             for x, y in ([batch] if args.stock else optimizer.micro_batches(batch)):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = loss_fn(model(x), y)
                 if emu is not None:
                     time.sleep(emu.delay(rank, epoch, step, len(y)))
@@ -115,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and args.json_out:
         out = {
             "mode": "stock" if args.stock else "hetero",
+            "accelerator": args.accelerator,
             "world_size": world,
             "speeds": args.speeds,
             "cost_per_sample": args.cost_per_sample,
@@ -124,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json_out}; what the balancer did: hetero-plugins report {args.json_out}", flush=True)
 
 
 if __name__ == "__main__":

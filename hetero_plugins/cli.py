@@ -1,5 +1,9 @@
-"""The ``hetero-plugins`` command: ``demo`` runs the main job, ``bench`` the benchmarks, ``simulate`` /
-``pretrain`` / ``transfer`` the learned scheduler (issue 4)."""
+"""The ``hetero-plugins`` command: ``demo`` runs the main job, ``bench`` the benchmarks, ``report`` draws what the
+balancer did in a run, ``simulate`` / ``pretrain`` / ``transfer`` the learned scheduler.
+
+Long jobs draw a progress bar on standard error when it is a terminal; ``--quiet`` (anywhere on the line)
+turns the bars and per-epoch lines off. Results, and the paths they were written to, are printed either way.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,22 @@ import sys
 
 __all__ = ["main"]
 
+COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "transfer")
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--quiet" in argv:
+        from hetero_plugins.progress import set_quiet
+
+        set_quiet(True)
+        argv = [a for a in argv if a != "--quiet"]
     parser = argparse.ArgumentParser(prog="hetero-plugins", description="Heterogeneity-aware data-parallel training.")
-    parser.add_argument("command", choices=["demo", "bench", "simulate", "pretrain", "transfer"],
-                        help="demo: stock DDP vs HeteroDDPStrategy; bench: benchmarks; simulate / pretrain / transfer: "
-                        "the learned scheduler on the cluster simulator")
+    parser.add_argument("command", choices=COMMANDS,
+                        help="demo: stock DDP vs HeteroDDPStrategy; bench: benchmarks; report RUN: a picture and a "
+                        "summary of what the balancer did in a run; simulate / pretrain / transfer: the learned "
+                        "scheduler on the cluster simulator")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or per-epoch lines (any position)")
     args, rest = parser.parse_known_args(argv[:1])
     if args.command in ("simulate", "pretrain", "transfer"):
         from hetero_plugins.scheduler import commands
@@ -24,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from hetero_plugins.apps.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if args.command == "report":
+        from hetero_plugins.apps.report import main as report_main
+
+        return report_main(argv[1:])
     from hetero_plugins.apps.bench import main as bench_main
 
     return bench_main(argv[1:])

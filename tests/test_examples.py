@@ -1,8 +1,11 @@
-"""The example script, launched as a user launches it: Lightning's own launcher re-runs it per rank."""
+"""The example scripts and the demo, launched as a user launches them: Lightning's own launcher re-runs the
+example per rank; the demo runs on a terminal and ends, as ``make demo`` does, with ``hetero-plugins report``."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,23 +13,33 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetero_plugins.apps import report
 from hetero_plugins.apps.digits import DigitsCNN, digits_datasets
+from tests.helpers.report_png import colored_pixels
+from tests.helpers.terminal import run_in_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize(
-    "callback, aggregation", [(False, "weighted"), (True, "weighted"), (False, "wbsp")],
+    "callback, aggregation, where", [
+        (False, "weighted", ["--accelerator", "auto", "--devices", "auto", "--speeds", "1,0.25"]),
+        (True, "weighted", ["--accelerator", "cpu", "--devices", "2", "--speeds", "1,0.25"]),
+        (False, "wbsp", []),  # the defaults: --accelerator auto --devices auto --speeds auto (1,0.25 on the CPU)
+    ],
     ids=["hetero_ddp", "ddp+BatchBalancer", "hetero_ddp+wbsp"],
 )
-def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation):
+def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation, where):
     out = tmp_path / "out.pt"
-    cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--devices", "2", "--epochs", "3",
-           "--speeds", "1,0.25", "--out", str(out), "--aggregation", aggregation] + (["--callback"] if callback else [])
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--epochs", "3", "--out", str(out),
+           "--aggregation", aggregation, *where] + (["--callback"] if callback else [])
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert summary["accelerator"] == ("gpu" if torch.cuda.is_available() and "cpu" not in where else "cpu")
+    assert summary["devices"] == 2 and summary["speeds"] == [1.0, 0.25]
     result = torch.load(out, weights_only=False)
     hist = result["plan_history"]
     assert len(hist) == 3 and hist[-1]["batch_sizes"][1] < hist[-1]["batch_sizes"][0]  # rank 1 is 4x slower
@@ -40,23 +53,80 @@ def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callb
         assert torch.equal(preds, expected[0::2])
     else:  # the strategy balances predict too: contiguous per-rank slices, every rank's outputs in order
         assert torch.equal(preds, expected)
+    # The run kept Lightning's log and checkpoint, and the command the example prints reads them.
+    log_dir = Path(summary["log_dir"])
+    assert f"hetero-plugins report {log_dir}" in proc.stdout
+    record = report.load_run(log_dir)
+    assert record.kind == "checkpoint"
+    assert [e["batch_sizes"] for e in record.history] == [e["batch_sizes"] for e in hist]
+
+
+def test_example_refuses_speeds_that_do_not_match_the_devices(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--accelerator", "cpu",
+                           "--devices", "3", "--speeds", "1,0.25"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--speeds has 2 entries for 3 devices" in proc.stderr and "HINT" in proc.stderr
+
+
+def test_readme_on_gpus_is_what_the_examples_run():
+    """Every code line of the README's "On GPUs" example is in the Lightning example, and every flag its
+    commands pass is one the example scripts take."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## On GPUs", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S)
+    code = "".join(body for lang, body in blocks if lang == "python")
+    commands = "".join(body for lang, body in blocks if lang == "bash")
+    example = (ROOT / "examples" / "lightning_train.py").read_text()
+    lines = [line.strip() for line in code.splitlines() if line.strip() and line.strip() != "..."]
+    assert lines and all(line in example for line in lines), [line for line in lines if line not in example]
+    runs = re.findall(r"python (examples/\w+\.py)([^#\n]*)", commands)
+    assert {script for script, _ in runs} == {"examples/lightning_train.py", "examples/horovod_train.py"}
+    for script, args in runs:
+        source = (ROOT / script).read_text()
+        assert "--accelerator auto" in args
+        for flag in re.findall(r"--[\w-]+", args):
+            assert f'"{flag}"' in source, (script, flag)
 
 
 def test_demo_command_runs_end_to_end(tmp_path):
-    """The main job's code path (`make demo` runs the same command with 4 ranks and 6 epochs)."""
+    """The main job's code path, on a terminal (`make demo` runs the same commands with 4 ranks and 6 epochs):
+    the demo with its progress bars and table, then `hetero-plugins report` on the run it kept."""
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "hetero_plugins.cli", "demo", "--epochs", "2", "--speeds", "1,0.25",
            "--cost-per-sample", "0.002", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "steady epoch time" in proc.stdout and "batch sizes per rank" in proc.stdout
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    rc, screen = run_in_terminal(cmd, cwd=tmp_path, env=env, timeout=300)
+    assert rc == 0, screen[-3000:]
+    assert "steady epoch time" in screen and "batch sizes per rank" in screen
+    # Each run draws a bar over its steps, with the rate and the time left (2 epochs of 23 steps).
+    for label in ("stock DDP", "hetero"):
+        bar = re.escape(label) + r": 100%\|.*\| 46/46 \[[0-9:]+<00:00, +[0-9.]+(step/s|s/step)"
+        assert re.search(bar, screen), label
+    assert f"hetero-plugins report {out / 'run'}" in screen
     assert (out / "plot.png").stat().st_size > 10_000
-    import json
-
     results = json.loads((out / "results.json").read_text())
     assert len(results["ddp"]["epochs"]) == len(results["hetero"]["epochs"]) == 2
     assert results["hetero"]["plan_history"][-1]["batch_sizes"][1] < 16  # the slow rank got less work
+
+    # make demo's last step: the report of the HeteroDDPStrategy run, from its checkpoint.
+    png = out / "report.png"
+    proc = subprocess.run([sys.executable, "-m", "hetero_plugins.cli", "report", str(out / "run"), "--out", str(png)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"wrote {png} and {out / 'report.txt'}" in proc.stdout
+    assert "the balancer's state in a checkpoint" in proc.stdout and "[32, 32] at epoch 0" in proc.stdout
+    # Read the picture back: the size, and data in every panel (drawn again here to know where the panels are;
+    # the same code on the same run draws the same pixels).
+    record = report.load_run(out / "run")
+    assert [e["batch_sizes"] for e in record.history] == [e["batch_sizes"] for e in results["hetero"]["plan_history"]]
+    again = report.render(record, tmp_path / "again.png")
+    assert all(n > 0 for n in again.panels.values()), again.panels
+    shown = report.Figure(png, again.size, again.panels, again.boxes)
+    pixels = colored_pixels(shown)
+    assert all(pixels[p] > 300 for p in report.PANELS if p != "summary"), pixels
+    import matplotlib.image as mpimg
+
+    assert (mpimg.imread(png) == mpimg.imread(again.path)).all()
 
 
 def test_cli_rejects_bad_arguments():

@@ -1,15 +1,20 @@
 """The main job: the digits CNN on 4 emulated CPU ranks (speeds 1, 1, 0.5, 0.25), stock DDP then
-HeteroDDPStrategy, with a table and a plot of batch sizes and epoch times."""
+HeteroDDPStrategy, with a table and a plot of batch sizes and epoch times.
+
+The HeteroDDPStrategy run keeps what a user's run leaves behind (Lightning's CSV log and checkpoint) in
+``<out>/run``; ``make demo`` ends with ``hetero-plugins report <out>/run``, the command a user runs on a run."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from hetero_plugins.apps.jobs import run_digits_job, steady_mean
+from hetero_plugins.progress import is_quiet
 
 __all__ = ["main", "render_table"]
 
@@ -76,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=6, help="epochs per run (default 6)")
     parser.add_argument("--speeds", default="1,1,0.5,0.25", help="emulated speed per rank (default 1,1,0.5,0.25)")
     parser.add_argument("--cost-per-sample", type=float, default=0.002, help="emulated seconds per sample at speed 1")
-    parser.add_argument("--out", default="demo_output", help="folder for results.json and plot.png")
+    parser.add_argument("--out", default="demo_output",
+                        help="folder for results.json, plot.png and run/ (the HeteroDDPStrategy run's log and "
+                        "checkpoint)")
     args = parser.parse_args(argv)
     try:
         speeds = [float(s) for s in args.speeds.split(",")]
@@ -86,16 +93,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--epochs must be >= 2 (the first epoch measures, later ones are balanced), got {args.epochs}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # the demo's own run: one run per demo, so the report shows it
     t0 = time.perf_counter()
-    print(f"hetero-plugins demo: digits CNN, {len(speeds)} CPU ranks emulated at speeds {speeds}, "
-          f"{args.epochs} epochs per run", flush=True)
-    print("1/2 stock DDP (equal batches, unweighted mean)...", flush=True)
+    say = (lambda text: None) if is_quiet() else (lambda text: print(text, flush=True))
+    say(f"hetero-plugins demo: digits CNN, {len(speeds)} CPU ranks emulated at speeds {speeds}, "
+        f"{args.epochs} epochs per run")
+    say("1/2 stock DDP (equal batches, unweighted mean)...")
     ddp = run_digits_job("ddp", speeds, args.cost_per_sample, args.epochs, label="stock DDP")
-    print("2/2 HeteroDDPStrategy (per-rank batches, sample-weighted gradients)...", flush=True)
-    hetero = run_digits_job("hetero", speeds, args.cost_per_sample, args.epochs, label="hetero")
+    say("2/2 HeteroDDPStrategy (per-rank batches, sample-weighted gradients)...")
+    hetero = run_digits_job("hetero", speeds, args.cost_per_sample, args.epochs, label="hetero", run_dir=run_dir)
     print()
     print(render_table(ddp, hetero))
     (out / "results.json").write_text(json.dumps({"speeds": speeds, "ddp": ddp, "hetero": hetero}, indent=1))
     plot(ddp, hetero, out / "plot.png")
-    print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'} in {time.perf_counter() - t0:.0f}s")
+    print(f"\nwrote {out / 'results.json'}, {out / 'plot.png'} and {run_dir} (the HeteroDDPStrategy run's CSV log "
+          f"and checkpoint) in {time.perf_counter() - t0:.0f}s")
+    print(f"what the balancer did: hetero-plugins report {run_dir}")
     return 0

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from hetero_plugins.progress import Progress, is_quiet
+
 __all__ = ["DigitsCNN", "RunRecorder", "digits_datasets"]
 
 
@@ -80,14 +82,16 @@ class DigitsCNN(pl.LightningModule):
 
 class RunRecorder(Callback):
     """Rank 0 records timings, metrics and the balancer's history, prints one progress line per epoch and
-    writes a JSON file (after every epoch, so a crash leaves what was done).
+    writes a JSON file (after every epoch, so a crash leaves what was done). On a terminal, rank 0 also draws a
+    bar over the run's steps with their rate and the time left (:mod:`hetero_plugins.progress`); with
+    ``HETERO_PLUGINS_QUIET=1`` (``hetero-plugins --quiet``) neither bar nor lines are printed.
 
     Epoch time is the training part of the epoch (first batch start to last batch end, as rank 0 sees it,
     which under synchronous training is every rank's); validation time is excluded.
 
     Args:
         path: JSON file to write.
-        label: prefix of the progress lines; ``None`` prints nothing.
+        label: prefix of the progress lines and label of the bar; ``None`` prints nothing.
     """
 
     def __init__(self, path: str | os.PathLike, label: str | None = None) -> None:
@@ -98,9 +102,20 @@ class RunRecorder(Callback):
         self._last: float | None = None
         self._start = time.perf_counter()
         self._step_ends: list[float] = []
+        self._bar: Progress | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_bar": None}  # the bar belongs to the process that draws it
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._bar is None and self.label is not None and trainer.is_global_zero and not is_quiet():
+            per_epoch = trainer.num_training_batches
+            epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+            total = epochs * per_epoch if epochs and isinstance(per_epoch, int) else None
+            self._bar = Progress(total=total, desc=self.label, unit="step")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
@@ -110,6 +125,8 @@ class RunRecorder(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._last = time.perf_counter()
         self._step_ends.append(self._last)
+        if self._bar is not None:
+            self._bar.update(1)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._t0 is None or self._last is None:
@@ -122,14 +139,22 @@ class RunRecorder(Callback):
                  "communication_bytes": getattr(trainer.strategy, "communication_bytes", None), **metrics}
         self.epochs.append(entry)
         if trainer.is_global_zero:
-            if self.label is not None:
+            if self.label is not None and not is_quiet():
                 acc = f" val_acc {metrics['val_acc']:.3f}" if "val_acc" in metrics else ""
                 sizes = f" batch sizes {plan}" if plan else ""
-                print(f"[{self.label}] epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
-                      f"train {entry['train_time']:.2f}s{acc}{sizes}", flush=True)
+                line = (f"[{self.label}] epoch {trainer.current_epoch + 1}/{trainer.max_epochs} "
+                        f"train {entry['train_time']:.2f}s{acc}{sizes}")
+                if self._bar is not None:
+                    self._bar.set_postfix(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}{acc}")
+                    self._bar.write(line)
+                else:
+                    print(line, flush=True)
             self._write(trainer)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if trainer.is_global_zero:
             self._write(trainer)
 

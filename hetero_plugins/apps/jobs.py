@@ -29,6 +29,7 @@ def run_digits_job(
     replan_every: int | None = 5,
     aggregation: Any = None,
     momentum: float = 0.9,
+    run_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Train the digits CNN on ``len(speeds)`` spawned CPU ranks; return rank 0's record.
 
@@ -41,6 +42,9 @@ def run_digits_job(
         replan_every: the strategy's mid-epoch replanning interval (``None``: epoch ends only).
         aggregation: the strategy's ``aggregation=`` (``None``: ``"weighted"``).
         momentum: SGD momentum of the CNN.
+        run_dir: keep what a user's run leaves behind there: Lightning's ``CSVLogger`` log (the ``hetero/*``
+            metrics) and its default checkpoint (the balancer's state), under ``lightning_logs/version_N``;
+            ``hetero-plugins report run_dir`` draws them. ``None``: no log, no checkpoint.
 
     Returns:
         ``{"epochs": [...], "plan_history": [...]}``: per-epoch train time, wall time, val accuracy and loss,
@@ -74,10 +78,15 @@ def run_digits_job(
 
         strategy = HeteroDDPStrategy(start_method="spawn", allocator=allocator, replan_every=replan_every,
                                      aggregation=aggregation)
+    logger: Any = False
+    if run_dir is not None:
+        from lightning.pytorch.loggers import CSVLogger
+
+        logger = CSVLogger(run_dir)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=len(speeds), strategy=strategy, max_epochs=epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp,
+        accelerator="cpu", devices=len(speeds), strategy=strategy, max_epochs=epochs, logger=logger,
+        enable_checkpointing=run_dir is not None, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp if run_dir is None else os.fspath(run_dir),
     )
     trainer.fit(DigitsCNN(batch_size=batch_size, seed=seed, momentum=momentum))
     return json.loads(record.read_text())

@@ -12,6 +12,7 @@ from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
 from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracle, simulate
 from hetero_plugins.scheduler.transfer import transfer_dqn
+from hetero_plugins.progress import progress, timed
 
 __all__ = ["compare", "pretrain_main", "simulate_main", "transfer_main"]
 
@@ -50,11 +51,16 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     policy = policy if isinstance(policy, str) else alloc.name
     if "static" not in analytic:
         analytic = ("static", *analytic)
+    bar = progress(total=len(analytic) + 2, desc=f"simulate {sc.name}", unit="run")
     runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed, relocation=relocation)}
+    bar.update()
     for name in analytic:
         runs[name] = (runs["policy"] if name == policy and not relocation
                       else simulate(sc, name, epochs=epochs, seed=seed))
+        bar.update()
     orc = oracle(sc, epochs=epochs, seed=seed)
+    bar.update()
+    bar.close()
     best = max([a for a in analytic if a != "static"] or ["static"], key=lambda a: runs[a]["steady_samples_per_s"])
 
     def tp(r: dict[str, Any]) -> dict[str, float]:
@@ -155,7 +161,7 @@ def _print_comparison(sc: Any, policy: str, out: dict[str, Any]) -> None:
 def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
     """``simulate --allocators a,b,c``: one run per allocator, in one table."""
     results: dict[str, Any] = {}
-    for a in _allocators(args.allocators):
+    for a in progress(_allocators(args.allocators), desc=f"simulate {sc.name}", unit="allocator"):
         alloc = get_allocator(a)
         r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
         if hasattr(alloc, "last_choice"):
@@ -200,8 +206,10 @@ def pretrain_main(argv: list[str] | None = None) -> int:
         _, report["dqn"] = pretrain_dqn(seconds=args.seconds, seed=args.seed, out=out / "dqn_v1.npz",
                                         gamma=0.3, target_sync=200)
     if args.stage in ("ncf", "both"):
-        _, report["ncf"] = pretrain_ncf(seconds=max(1.0, args.seconds / 3), seed=args.seed, out=out / "ncf_v1.npz")
+        with timed(max(1.0, args.seconds / 3), desc="NCF pre-training"):
+            _, report["ncf"] = pretrain_ncf(seconds=max(1.0, args.seconds / 3), seed=args.seed, out=out / "ncf_v1.npz")
     print(json.dumps(report, indent=2))
+    print(f"wrote {', '.join(str(out / f'{k}_v1.npz') for k in report)}", file=sys.stderr)
     return 0
 
 
@@ -230,4 +238,5 @@ def transfer_main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps({"out": args.out, **stats}, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0

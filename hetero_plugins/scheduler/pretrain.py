@@ -14,6 +14,7 @@ import numpy as np
 
 from hetero_plugins.balancing.allocators import Bounds, EqualFinishAllocator
 from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork, assign
 from hetero_plugins.scheduler.features import DecisionContext
 from hetero_plugins.scheduler.ncf import InterferencePredictor
@@ -106,7 +107,7 @@ def pretrain_dqn(
     for name in ("paper_mix", "dynamic", "interference"):
         valid += decision_problems(name, rng)
     best, best_score, history = trainer.network(), evaluate_dqn(trainer.network(), valid), []
-    for k in range(rounds):
+    for k in progress(range(rounds), desc="DQN pre-training", unit="round"):
         trainer.set_lr(lr * (1.0 - k / rounds) + lr / 10)
         trainer.train(train, seconds=seconds / rounds)
         q = trainer.network()

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
+from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
 from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.pretrain import evaluate_dqn
@@ -63,7 +64,7 @@ def transfer_dqn(
     best, best_val = net, evaluate_dqn(net, valid)
     history = [round(best_val, 4)]
     trainer.freeze_lower(freeze_fraction > 0)
-    for k in range(checkpoints):
+    for k in progress(range(checkpoints), desc="DQN transfer", unit="round"):
         if k >= freeze_fraction * checkpoints:
             trainer.freeze_lower(False)
             trainer.set_lr(lr / 3)
