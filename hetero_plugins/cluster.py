@@ -14,9 +14,12 @@ Both describe the placement *for* an epoch, in the scenario schema's shape (docs
      "ranks": [{"device": "v100", "corunner": null}, {"device": "t4", "corunner": "video"}],
      "free_slots": [{"device": "v100", "corunner": null, "host": "node1", "index": 3}]}
 
-``host`` and ``index`` (the accelerator's index on its node) are optional; they tell a relocation restart
-where a moved rank runs (:mod:`hetero_plugins.scheduler.relocation`). Where ranks are renumbered behind the
-manager's back (elastic Horovod), describe slots by host instead and let the job find its ranks in them::
+Names are free-form here (this layer knows no model); the scheduler checks them against its interference
+model's vocabulary where it uses them (:class:`hetero_plugins.scheduler.cluster_advisor.ClusterAdvisor`).
+``host`` and ``index`` (the accelerator's index on its node, an int ``>= 0``) are optional; they tell a
+relocation restart where a moved rank runs (:mod:`hetero_plugins.scheduler.relocation`). Where ranks are
+renumbered behind the manager's back (elastic Horovod), describe slots by host instead and let the job find its
+ranks in them::
 
     {"slots": [{"host": "n1", "device": "v100", "corunner": null}, {"host": "n2", "device": "t4", "corunner": null},
                {"host": "n3", "device": "v100", "corunner": null}]}

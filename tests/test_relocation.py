@@ -180,14 +180,16 @@ def test_resume_checkpoint_only_in_a_later_restart_of_the_same_run(tmp_path, mon
     spec.write_text(json.dumps({"checkpoint": str(ckpt), "run_id": "job1", "restart_count": 0, "moves": []}))
     for var in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
         monkeypatch.delenv(var, raising=False)
-    assert resume_checkpoint(spec) is None  # not under torchrun
+    with pytest.warns(RuntimeWarning, match="not started by torchrun"):
+        assert resume_checkpoint(spec) is None  # not under torchrun
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert resume_checkpoint(spec) is None  # the attempt that wrote it
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert resume_checkpoint(spec) == str(ckpt)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")
-    assert resume_checkpoint(spec) is None  # a stale spec of another run
+    with pytest.warns(RuntimeWarning, match="is stale"):
+        assert resume_checkpoint(spec) is None  # a stale spec of another run
     assert resume_checkpoint(tmp_path / "missing.json") is None
 
 

@@ -4,6 +4,8 @@
 ``set_context`` the co-runner changes and data times before it decides, and asks a
 :class:`~hetero_plugins.scheduler.relocation.Relocator` whether moving ranks to free slots pays. It holds no
 collective: the integration runs it on rank 0 and broadcasts what it decides (one rank decides, all adopt).
+It is where the description's names meet the learned models: a workload, device or co-runner name the
+relocator's interference model does not know is announced once with a warning (:meth:`ClusterAdvisor.check_names`).
 
 Example::
 
@@ -60,6 +62,7 @@ class ClusterAdvisor:
         self._relocator: Any = None
         self._last_moves: list[tuple[int, int]] | None = None
         self._warned: set[str] = set()
+        self._warned_names: set[tuple[str, str]] = set()
 
     @staticmethod
     def check_relocation(relocation: bool | Any) -> bool | Any:
@@ -79,6 +82,8 @@ class ClusterAdvisor:
         except HostsUnknown:
             if hosts is not None:
                 raise
+        else:
+            self.check_names(self.placement)
 
     def before_decision(self, epoch: int, world_size: int, allocator: Any, data: Sequence[float],
                         hosts: Sequence[str] | None = None) -> ClusterView | None:
@@ -96,6 +101,7 @@ class ClusterAdvisor:
                 warnings.warn(f"hetero_plugins: cluster description skipped this epoch: {err}", RuntimeWarning,
                               stacklevel=2)
             return None
+        self.check_names(upcoming)
         measured = self.placement or upcoming
         set_context = getattr(allocator, "set_context", None)
         if set_context is not None:
@@ -118,9 +124,7 @@ class ClusterAdvisor:
         params = planner.model_params()
         if any(p is None for p in params):
             return None
-        if self._relocator is None:
-            self._relocator = Relocator() if self.relocation is True else self.relocation
-        decision = self._relocator.propose(
+        decision = self._get_relocator().propose(
             devices=upcoming.devices, corunners=(measured or upcoming).corunners, next_corunners=upcoming.corunners,
             lines=[(p.intercept, p.slope) for p in params], free_slots=upcoming.free_slots,
             global_batch=planner.global_batch, steps_per_epoch=int(steps_per_epoch), epochs_left=int(epochs_left),
@@ -128,6 +132,54 @@ class ClusterAdvisor:
         new = bool(decision.moves) and decision.moves != self._last_moves
         self._last_moves = decision.moves
         return decision, new
+
+    def _get_relocator(self) -> Any:
+        """The relocator deciding the moves (``None`` with ``relocation=False``)."""
+        if self._relocator is None and self.relocation is not False:
+            self._relocator = Relocator() if self.relocation is True else self.relocation
+        return self._relocator
+
+    def check_names(self, view: ClusterView) -> list[tuple[str, str]]:
+        """Warn once per name in ``view`` that the relocator's interference model (NCF) does not know.
+
+        The NCF knows a fixed vocabulary of workload, device and co-runner names (the ones it was trained on,
+        :meth:`~hetero_plugins.scheduler.relocation.Relocator.known_names`). A name outside it is not an error:
+        the description is re-read every epoch from a cluster manager that may bring a device type the model
+        has never seen, and stage 2 has a safe fallback for it (documented in
+        :class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`): no slowdown is predicted
+        where the name meets a co-runner, so such a rank's time line is left as measured and such a free slot
+        is never chosen. But it must not pass silently (a typo would switch stage 2 off), so each unknown
+        name is announced once with a ``RuntimeWarning`` naming the field, the value, the names the model
+        knows and the fix. Names are checked only while relocation is on (``relocation=False``: they reach only
+        the allocator's own correction) and when the relocator can tell its vocabulary.
+
+        Returns the ``(field, name)`` pairs not known (warned about now or before).
+        """
+        relocator = self._get_relocator()
+        known = getattr(relocator, "known_names", lambda: None)() if relocator is not None else None
+        if known is None:
+            return []
+        unknown: list[tuple[str, str, str]] = []
+        if view.workload not in known["workload"]:
+            unknown.append(("workload", "workload", view.workload))
+        for group, entries in (("ranks", view.places), ("free_slots", view.free_slots)):
+            for i, place in enumerate(entries):
+                if place["device"] not in known["device"]:
+                    unknown.append((f"{group}[{i}].device", "device", place["device"]))
+                if place["corunner"] is not None and place["corunner"] not in known["corunner"]:
+                    unknown.append((f"{group}[{i}].corunner", "corunner", place["corunner"]))
+        for where, kind, name in unknown:
+            if (kind, name) in self._warned_names:
+                continue
+            self._warned_names.add((kind, name))
+            warnings.warn(
+                f"hetero_plugins: cluster description field `{where}` is {name!r}, a {kind} name the relocator's "
+                f"interference model (NCF) does not know; it knows {known[kind]}. Stage 2 falls back where the name "
+                "meets a co-runner: no slowdown is predicted, so a rank's time line there is left as measured and "
+                "a free slot there is never chosen. HINT: fix the name, or extend the model to it with "
+                "hetero_plugins.scheduler.transfer.transfer_ncf(samples, out=FILE) and pass "
+                "relocation=Relocator(predictor=FILE).", RuntimeWarning, stacklevel=3)
+        return [(where, name) for where, _, name in unknown]
 
     @staticmethod
     def info(epoch: int, decision: Any) -> dict[str, Any]:

@@ -97,12 +97,12 @@ class InterferencePredictor:
         for w, d, c in rows:
             for name, vocab, field in ((w, self.workloads, "workload"), (d, self.devices, "device")):
                 if name not in vocab:
-                    raise ValueError(f"unknown {field} {name!r}; this predictor knows {vocab}. "
-                                     "HINT: use `hetero-plugins transfer` to extend it to new names.")
+                    raise ValueError(f"unknown {field} {name!r}; this predictor knows {vocab}. HINT: extend it "
+                                     "to new names with transfer_ncf (hetero_plugins.scheduler.transfer).")
             c = SOLO if c is None else c
             if c not in self.corunners:
                 raise ValueError(f"unknown co-runner {c!r}; this predictor knows {self.corunners}. "
-                                 "HINT: use `hetero-plugins transfer` to extend it to new names.")
+                                 "HINT: extend it to new names with transfer_ncf (hetero_plugins.scheduler.transfer).")
             u.append(self.workloads.index(w))
             i.append(self.devices.index(d) * len(self.corunners) + self.corunners.index(c))
         return torch.tensor(u), torch.tensor(i)

@@ -1,0 +1,64 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+
+The text goes to a fresh temporary file in the target's directory (created with ``O_CREAT | O_EXCL`` under a
+random name by :func:`tempfile.mkstemp`, so a file or symlink planted at a predictable name such as
+``<path>.tmp`` is never opened), is flushed to disk, and replaces the target with :func:`os.replace` (atomic on
+POSIX and Windows within one file system). A symlink at ``path`` itself is replaced by the file, never followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+__all__ = ["write_atomic"]
+
+
+def _umask() -> int | None:
+    """The process's umask, read without changing it (Linux); ``None`` where that cannot be done."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
+    """Write ``text`` (``str``: UTF-8) to ``path`` atomically; create its directory if needed. Returns the path.
+
+    The file keeps the permissions of the file it replaces; a new one gets those an ordinary write would give
+    (``0o666`` less the umask), or owner-only where the umask cannot be read.
+    """
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise TypeError(f"`text` must be str or bytes, got {type(text).__name__}.")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    try:
+        st = os.lstat(path)
+        mode: int | None = stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
+    except FileNotFoundError:
+        mode = None
+    if mode is None:
+        umask = _umask()
+        mode = None if umask is None else 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
