@@ -34,7 +34,7 @@ from hetero_plugins.callbacks import BatchBalancer
 from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.scheduler.dqn import QNetwork
 from hetero_plugins.scheduler.ncf import InterferencePredictor
-import hetero_plugins.apps.report, hetero_plugins.progress
+import hetero_plugins.apps.report, hetero_plugins.progress, hetero_plugins.scheduler.sim
 dqn, ncf = QNetwork.load(), InterferencePredictor.load()  # the shipped default models
 print(json.dumps({
     "modules": {m: sys.modules[m].__file__ for m in sys.modules
