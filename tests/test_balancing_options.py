@@ -17,12 +17,13 @@ from hetero_plugins.balancing.coordinator import PlanCoordinator, data_times, ga
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.callbacks import BatchBalancer
+from hetero_plugins.callbacks import batch_balancer as batch_balancer_module
 from hetero_plugins.horovod import elastic as elastic_module
 from hetero_plugins.strategies import HeteroDDPStrategy, HeteroHorovodStrategy
 
 
 def test_doctests():
-    for module in (options_module, coordinator_module, elastic_module):
+    for module in (options_module, coordinator_module, elastic_module, batch_balancer_module):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
