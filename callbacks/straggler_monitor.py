@@ -16,6 +16,8 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from hetero_plugins.balancing.coordinator import gather_records as balancing_gather
+from hetero_plugins.callbacks._collectives import StrategyCollectives
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.metrics import idle_fraction, straggler_level
 from hetero_plugins.telemetry import StepTimer
@@ -29,19 +31,9 @@ def gather_records(strategy: Any, records: np.ndarray, extra: float = 0.0) -> tu
     Returns ``(records of shape (world, steps, 3), extras of shape (world,))``. Uses only the strategy's
     public ``all_gather``, so it works under any Lightning strategy.
     """
-    header = torch.tensor([float(len(records)), float(extra)], dtype=torch.float64)
-    headers = _gather(strategy, header)
-    steps = int(headers[:, 0].max().item())
-    padded = np.zeros((steps, 3))
-    padded[: len(records)] = records
-    gathered = _gather(strategy, torch.from_numpy(padded)).cpu().numpy()
-    return gathered, headers[:, 1].cpu().numpy()
-
-
-def _gather(strategy: Any, t: torch.Tensor) -> torch.Tensor:
-    """``strategy.all_gather`` with a leading rank dimension (it returns the input as is without a group)."""
-    out = strategy.all_gather(t.to(strategy.root_device))
-    return out.unsqueeze(0) if out.dim() == t.dim() else out
+    gathered, headers = balancing_gather(StrategyCollectives(strategy), records, header=[extra], align="pad")
+    assert gathered is not None  # "pad" always returns records
+    return gathered, headers[:, 1]
 
 
 class StragglerMonitor(Callback):

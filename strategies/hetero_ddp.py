@@ -4,6 +4,7 @@ Registered as ``"hetero_ddp"`` (processes started like ``"ddp"``) and ``"hetero_
 
     Trainer(strategy="hetero_ddp", accelerator="gpu", devices=4)
     Trainer(strategy=HeteroDDPStrategy(allocator="lbb", min_batch_size=8), devices=4)
+    Trainer(strategy=HeteroDDPStrategy(balancing=BalancingOptions(allocator="lbb", min_batch_size=8)), devices=4)
 
 It bundles a :class:`~hetero_plugins.callbacks.BatchBalancer`: the balanced sampler is installed from the
 first epoch (train, and validation/test/predict with ``balance_eval=True``), the weighted comm hook is
@@ -15,7 +16,6 @@ global batch b x world_size stays constant.
 from __future__ import annotations
 
 import atexit
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -28,9 +28,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from hetero_plugins.aggregation.options import AggregationOptions
-from hetero_plugins.balancing.allocators import Allocator
+from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
-from hetero_plugins.cluster import ClusterSource
 from hetero_plugins.collectives import TorchCollectives
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
@@ -45,63 +44,39 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
     """``DDPStrategy`` plus per-epoch batch rebalancing and sample-weighted gradient aggregation.
 
     Args:
-        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, the learned
-            ``"dqn"`` / ``"auto"``, or an :class:`~hetero_plugins.balancing.allocators.Allocator`.
-        policy: alias of ``allocator`` (e.g. ``HeteroDDPStrategy(policy="auto")``); giving both with
-            different values is an error.
-        min_batch_size: smallest local batch a rank may get.
-        max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
-        min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
-        half_life: forgetting of the per-rank time models, in steps.
-        locality: keep each rank's data shard across epochs and plan changes (LOFT); by default every
-            step's samples over all ranks are exactly those stock DDP's sampler would give.
-        balance_eval: per-rank batch sizes for validation, test and predict loaders too.
-        timeout: bound on every collective; a rank that dies ends the job after at most this long.
-        replan_every: steps between mid-epoch exchanges of step times, after which the plan may change for
-            the rest of the epoch (``None``: plans change at epoch ends only).
-        policy: alias of ``allocator`` (e.g. ``policy="auto"``).
+        balancing: the balancing options, see :class:`~hetero_plugins.balancing.options.BalancingOptions`
+            (all of them apply but ``hosts_file``); they may also be given as keywords (``allocator="lbb"``,
+            ``policy="auto"``, ``min_batch_size=8``, ``memory_headroom=0.8``, ``log_metrics=False``, ...).
         aggregation: how each step's gradients are combined: ``"weighted"`` (default: every sample counts,
             weighted by rank share), ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"``, ``"local_sgd"``, or an
             :class:`~hetero_plugins.aggregation.AggregationOptions` with the mode's options (see
             :mod:`hetero_plugins.aggregation` for each mode's trade-off).
-        cluster: what runs where, from the cluster manager (a JSON file re-read every epoch, or a callable
-            ``epoch -> dict``; default the file in ``HETERO_PLUGINS_CLUSTER``): co-runner changes reach the
-            learned allocators, free slots enable relocation (see :mod:`hetero_plugins.cluster`).
-        relocation: plan rank relocations to free slots at epoch ends (``True``, ``False`` or a
-            :class:`~hetero_plugins.scheduler.relocation.Relocator`); gaining ones are written as a restart spec.
-        restart_spec: path of the restart spec (default ``<default_root_dir>/hetero_restart.json``).
-        apply_relocation: under torchrun with restarts left, apply a same-host relocation by checkpoint and
-            restart (see :class:`~hetero_plugins.callbacks.BatchBalancer`); resume with
-            ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))``.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
-            ``process_group_backend``, DDP keyword arguments...).
+        timeout: bound on every collective; a rank that dies ends the job after at most this long.
+        **kwargs: the balancing keywords above; the rest goes to
+            :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``, ``process_group_backend``, DDP
+            keyword arguments...).
 
     Attributes:
+        balancer: the bundled :class:`~hetero_plugins.callbacks.BatchBalancer`.
         batch_plan: current per-rank batch sizes, global-rank order (``None`` before training starts).
         plan_history: one dict per epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`).
+
+    Example::
+
+        >>> HeteroDDPStrategy(allocator="lbb", min_batch_size=8).balancer.options.allocator
+        'lbb'
     """
 
     strategy_name = "hetero_ddp"
 
     def __init__(
         self,
-        allocator: str | Allocator | None = None,
-        min_batch_size: int = 1,
-        max_batch_size: int | None = None,
-        min_gain: float = 0.03,
-        half_life: float = 6.0,
-        locality: bool = False,
-        balance_eval: bool = True,
-        timeout: timedelta | None = DEFAULT_TIMEOUT,
-        replan_every: int | None = 5,
-        policy: str | Allocator | None = None,
+        balancing: BalancingOptions | None = None,
         aggregation: str | AggregationOptions | None = None,
-        cluster: ClusterSource | None = None,
-        relocation: bool | Any = True,
-        restart_spec: str | os.PathLike[str] | None = None,
-        apply_relocation: bool = True,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        options = BalancingOptions.from_kwargs(balancing, kwargs)
         if "ddp_comm_hook" in kwargs:
             raise ValueError(
                 "`ddp_comm_hook` cannot be combined with HeteroDDPStrategy, which registers its own "
@@ -110,12 +85,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"`timeout` must be a positive datetime.timedelta, got {timeout!r}.")
         super().__init__(timeout=timeout, **kwargs)
-        self.balancer = BatchBalancer(
-            allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-            min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
-            replan_every=replan_every, policy=policy, cluster=cluster, relocation=relocation,
-            restart_spec=restart_spec, apply_relocation=apply_relocation,
-        )
+        self.balancer = BatchBalancer(options)
         self._init_aggregation(aggregation)
 
     @override

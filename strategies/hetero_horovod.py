@@ -37,8 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from hetero_plugins.aggregation.options import AggregationOptions
-from hetero_plugins.balancing.allocators import Allocator
-from hetero_plugins.cluster import ClusterSource
+from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
@@ -113,35 +112,19 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
     """Horovod data parallelism plus per-epoch batch rebalancing and sample-weighted gradient sums.
 
     Args:
-        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"``, ``"dqn"``,
-            ``"auto"`` or an :class:`~hetero_plugins.balancing.allocators.Allocator`.
-        min_batch_size: smallest local batch a rank may get.
-        max_batch_size: largest local batch a rank may get (``None``: no cap besides GPU memory).
-        min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
-        half_life: forgetting of the per-rank time models, in steps.
-        locality: keep each rank's data shard across epochs and plan changes (LOFT); by default the step
-            unions are exactly DistributedSampler's.
-        balance_eval: per-rank batch sizes for validation, test and predict loaders too.
-        replan_every: steps between mid-epoch exchanges of step times, after which the plan may change for
-            the rest of the epoch (``None``: plans change at epoch ends only).
-        policy: alias of ``allocator`` (e.g. ``"auto"``, ``"dqn"``).
+        balancing: the balancing options, see :class:`~hetero_plugins.balancing.options.BalancingOptions`
+            (all of them apply but ``hosts_file``); they may also be given as keywords (``allocator="lbb"``,
+            ``policy="auto"``, ``min_batch_size=8``, ``memory_headroom=0.8``, ``log_metrics=False``, ...).
         aggregation: ``"weighted"`` (default), ``"deadline"``, ``"wbsp"``, ``"pseudo_sync"``, ``"local_sgd"`` or an
             :class:`~hetero_plugins.aggregation.AggregationOptions` (see :mod:`hetero_plugins.aggregation`); the
             modes other than ``"weighted"`` exchange through ``hvd.allreduce`` themselves instead of wrapping the
             optimizer in ``hvd.DistributedOptimizer``.
-        cluster: what runs where, from the cluster manager (a JSON file re-read every epoch, or a callable
-            ``epoch -> dict``; default the file in ``HETERO_PLUGINS_CLUSTER``): co-runner changes reach the
-            learned allocators, free slots enable relocation (see :mod:`hetero_plugins.cluster`).
-        relocation: plan rank relocations to free slots at epoch ends (``True``, ``False`` or a
-            :class:`~hetero_plugins.scheduler.relocation.Relocator`); gaining ones are written as a restart spec.
-        restart_spec: path of the restart spec (default ``<default_root_dir>/hetero_restart.json``).
-        apply_relocation: under torchrun with restarts left, apply a same-host relocation by checkpoint and
-            restart (see :class:`~hetero_plugins.callbacks.BatchBalancer`); resume with
-            ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))``.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.ParallelStrategy` (``accelerator``,
-            ``checkpoint_io``, ``precision_plugin``).
+        **kwargs: the balancing keywords above; the rest goes to
+            :class:`~lightning.pytorch.strategies.ParallelStrategy` (``accelerator``, ``checkpoint_io``,
+            ``precision_plugin``).
 
     Attributes:
+        balancer: the bundled :class:`~hetero_plugins.callbacks.BatchBalancer`.
         batch_plan: current per-rank batch sizes, global-rank order (``None`` before training starts).
         plan_history: one dict per epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`).
 
@@ -157,34 +140,18 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
 
     def __init__(
         self,
-        allocator: str | Allocator | None = None,
-        min_batch_size: int = 1,
-        max_batch_size: int | None = None,
-        min_gain: float = 0.03,
-        half_life: float = 6.0,
-        locality: bool = False,
-        balance_eval: bool = True,
-        replan_every: int | None = 5,
-        policy: str | Allocator | None = None,
+        balancing: BalancingOptions | None = None,
         aggregation: str | AggregationOptions | None = None,
-        cluster: ClusterSource | None = None,
-        relocation: bool | Any = True,
-        restart_spec: str | os.PathLike[str] | None = None,
-        apply_relocation: bool = True,
         **kwargs: Any,
     ) -> None:
+        options = BalancingOptions.from_kwargs(balancing, kwargs)
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
             raise ValueError(
                 "`cluster_environment` and `parallel_devices` come from Horovod in HeteroHorovodStrategy. "
                 "HINT: drop them; start the job with `horovodrun -np N python train.py`."
             )
         super().__init__(cluster_environment=HorovodEnvironment(), **kwargs)
-        self.balancer = BatchBalancer(
-            allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-            min_gain=min_gain, half_life=half_life, locality=locality, balance_eval=balance_eval,
-            replan_every=replan_every, policy=policy, cluster=cluster, relocation=relocation,
-            restart_spec=restart_spec, apply_relocation=apply_relocation,
-        )
+        self.balancer = BatchBalancer(options)
         self._auto_sync = False
         self._weightings: list[GradientWeighting] = []
         self._init_aggregation(aggregation)

@@ -1,50 +1,44 @@
-"""The self-planning sampler for ``horovodrun`` scripts: per-rank batch sizes planned at every epoch."""
+"""The self-planning sampler for ``horovodrun`` scripts: per-rank batch sizes planned at every epoch.
 
+:class:`HeteroBatchSampler` yields this rank's batches under a plan of per-rank batch sizes, times each step
+through the hooks :func:`~hetero_plugins.horovod.DistributedOptimizer` calls (:meth:`~HeteroBatchSampler.batch_drawn`,
+:meth:`~HeteroBatchSampler.backward_done`, :meth:`~HeteroBatchSampler.step_done`), and at every ``set_epoch``
+plans the next epoch through a :class:`~hetero_plugins.balancing.coordinator.PlanCoordinator` over Horovod's
+(or ``mpi4py``'s) collectives. Elastic world and host changes are reconciled with
+:mod:`hetero_plugins.horovod.elastic`.
+"""
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-import math
 import os
-import socket
-import sys
 import time
-import types
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import Sampler, default_collate
+from torch.utils.data import Sampler
 
-from hetero_plugins._validation import check_choice, check_int, check_path
-from hetero_plugins.aggregation.options import AGGREGATION_MODES, AggregationOptions, resolve_aggregation
-from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients, sync_sample_weighted, trainable
-from hetero_plugins.aggregation.local_sgd import LocalSGDSchedule, weighted_average_
-from hetero_plugins.aggregation.microbatch import (
-    CarryQueue,
-    ClaimKeys,
-    DeadlineRule,
-    StepClaims,
-    batch_length,
-    micro_batch_sizes,
-    open_claim_store,
-    unit_indices,
-)
-from hetero_plugins.aggregation.pseudo_sync import DelayedExchange, PseudoSyncCorrector
-from hetero_plugins.aggregation.work_sharing import deadline_micro_batches, wbsp_micro_batches
-from hetero_plugins.balancing.allocators import Allocator
-from hetero_plugins.cluster import ClusterSource, resolve_cluster_source
-from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor, data_times
-from hetero_plugins.balancing.partition import EpochLayout, epoch_layout, epoch_shards
+from hetero_plugins._validation import check_int
+from hetero_plugins.balancing.coordinator import PlanCoordinator, start_advisor
+from hetero_plugins.balancing.options import BalancingOptions
+from hetero_plugins.balancing.partition import EpochLayout, segment_layout, segment_shards, unprocessed_indices
 from hetero_plugins.balancing.planner import BalancePlanner
-from hetero_plugins.telemetry import StepTimer
-from hetero_plugins.balancing.partition import resplit_unprocessed, segment_layout, segment_shards, unprocessed_indices
-from hetero_plugins.horovod._hvd import hvd as _hvd
-from hetero_plugins.horovod.elastic import move_host_slots, register_state_handler
+from hetero_plugins.cluster import resolve_cluster_source
+from hetero_plugins.horovod.elastic import (
+    follow_slots,
+    predicted_lines,
+    register_state_handler,
+    relocate_by_hosts_file,
+    slot_name,
+    slots_moved,
+)
 from hetero_plugins.horovod.exchange import get_exchange
+from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
+from hetero_plugins.telemetry import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +46,8 @@ __all__ = ["HeteroBatchSampler"]
 
 
 class HeteroBatchSampler(Sampler[list[int]]):
-    """This rank's batches under a plan of per-rank batch sizes that is remade every epoch (Horovod).
+    """The self-planning sampler for ``horovodrun`` scripts: this rank's batches under a plan of per-rank batch
+    sizes that is remade every epoch.
 
     Pass it as ``DataLoader(dataset, batch_sampler=sampler)`` and give it to :func:`DistributedOptimizer`,
     which reports the step timings and weights the gradients. Every rank runs the same number of steps;
@@ -66,32 +61,20 @@ class HeteroBatchSampler(Sampler[list[int]]):
         shuffle: shuffle with a seeded, epoch-dependent order.
         seed: shared by all ranks.
         drop_last: drop the last partial global batch of each epoch.
-        locality: keep each rank's shard across epochs and plan changes (LOFT); by default the step
-            unions are exactly DistributedSampler's.
-        allocator: ``"equal_finish"`` (default), ``"lbb"``, ``"proportional"``, ``"static"`` or an
-            :class:`~hetero_plugins.balancing.allocators.Allocator`.
-        min_batch_size: smallest local batch a rank may get.
-        max_batch_size: largest local batch a rank may get (``None``: unbounded).
-        min_gain: predicted relative speed-up a new plan needs before it replaces the current one.
-        half_life: forgetting of the per-rank time models, in steps.
+        balancing: the balancing options, see :class:`~hetero_plugins.balancing.options.BalancingOptions`.
+            This sampler plans at ``set_epoch`` only: ``allocator``, ``min_batch_size``, ``max_batch_size``,
+            ``min_gain``, ``half_life``, ``warmup_steps``, ``locality``, ``cluster``, ``relocation``,
+            ``restart_spec`` (default ``hetero_restart.json`` in the working directory) and ``hosts_file`` apply;
+            the Lightning options ``balance_eval``, ``memory_headroom``, ``log_metrics``, ``apply_relocation``
+            and a mid-epoch ``replan_every`` are refused. Relocations are written to ``restart_spec``; with
+            ``hosts_file``, rank 0 applies one by rewriting that file and Horovod resets onto the new hosts.
         exchange: ``"auto"``, ``"horovod"`` or ``"mpi"`` (see :func:`get_exchange`).
-        cluster: the cluster description (stage 2 of the learned scheduler): a JSON file re-read at every
-            ``set_epoch``, or a callable ``epoch -> dict`` (see :mod:`hetero_plugins.cluster`); default the file
-            named by ``HETERO_PLUGINS_CLUSTER``, else none. Rank 0 reads it: learned allocators (``"dqn"``,
-            ``"auto"``) get co-runner changes before deciding, and free slots make rank 0 plan relocations.
-        relocation: ``True`` (default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False`` or a
-            ``Relocator``. A gaining relocation is written to ``restart_spec`` with a ``RuntimeWarning`` naming
-            the gain, and recorded in ``plan_history`` as ``relocation``; restarting the job on the new
-            placement is left to the launcher.
-        restart_spec: path of the restart spec (default ``hetero_restart.json`` in the working directory).
-        hosts_file: for elastic Horovod: the file the job's ``--host-discovery-script`` prints (``host:slots``
-            lines). Rank 0 applies a relocation whose slots name their ``host`` by rewriting it: one slot
-            fewer on the moved rank's host, one more on the free slot's. Horovod then stops the worker on the
-            old host and starts one on the new; after the reset each rank's time model follows its host, and
-            the new worker starts from the NCF-predicted line of its slot (from the restart spec).
+        **options: the balancing options as keywords (``allocator="lbb"``, ``min_batch_size=8``, ...).
 
     Attributes:
+        options: the :class:`~hetero_plugins.balancing.options.BalancingOptions` in force.
         planner: the :class:`~hetero_plugins.balancing.planner.BalancePlanner` (identical on every rank).
+        coordinator: the :class:`~hetero_plugins.balancing.coordinator.PlanCoordinator` that plans every epoch.
         timer: this rank's :class:`~hetero_plugins.telemetry.StepTimer`.
 
     Example::
@@ -108,28 +91,29 @@ class HeteroBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        locality: bool = False,
-        allocator: str | Allocator = "equal_finish",
-        min_batch_size: int = 1,
-        max_batch_size: int | None = None,
-        min_gain: float = 0.03,
-        half_life: float = 6.0,
+        *,
+        balancing: BalancingOptions | None = None,
         exchange: str = "auto",
-        cluster: ClusterSource | None = None,
-        relocation: bool | Any = True,
-        restart_spec: str | os.PathLike[str] | None = None,
-        hosts_file: str | os.PathLike[str] | None = None,
+        **options: Any,
     ) -> None:
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.local_batch_size = check_int("batch_size", batch_size, minimum=1, hint="the per-rank batch size at the start")
+        opts = BalancingOptions.from_kwargs(balancing, options)
+        if options:
+            raise TypeError(f"HeteroBatchSampler got unexpected keyword argument(s) {sorted(options)}. HINT: the "
+                            "options are those of hetero_plugins.balancing.BalancingOptions.")
+        lightning_only = "it is an option of the Lightning integration; this sampler plans at set_epoch only."
+        opts.refuse("hetero_plugins.horovod.HeteroBatchSampler",
+                    {"balance_eval": "this sampler serves the training loader only.",
+                     "replan_every": "this sampler plans at set_epoch only (use None or leave it out).",
+                     "memory_headroom": lightning_only, "log_metrics": lightning_only,
+                     "apply_relocation": "relocations are applied through `hosts_file` here."},
+                    allowed={"replan_every": (None,)})
+        self.options = opts
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
-        self.locality = bool(locality)
-        self._planner_kwargs = dict(
-            allocator=allocator, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-            min_gain=min_gain, half_life=half_life,
-        )
+        self.locality = opts.locality
         self.exchange = get_exchange(exchange)
         world = self.exchange.size()
         self.global_batch = self.local_batch_size * world
@@ -138,7 +122,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
                 f"`batch_size`={batch_size} x {world} ranks = {self.global_batch} exceeds the dataset's "
                 f"{num_samples} samples. HINT: use batch_size <= {max(1, num_samples // world)}."
             )
-        self.planner = self._new_planner(world)
+        source = resolve_cluster_source(opts.cluster)
+        self._advisor = ClusterAdvisor(source, opts.relocation) if source is not None else None
+        self.coordinator = PlanCoordinator(self._new_planner(world), self.exchange, self._advisor, align="tail",
+                                           label="HeteroBatchSampler", logger=log)
         self.timer = StepTimer()
         self._epoch = 0
         self._steps_done = 0
@@ -151,30 +138,26 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._epoch_start: float | None = None
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
-        source = resolve_cluster_source(cluster)
-        ClusterAdvisor.check_relocation(relocation)
-        self._advisor = ClusterAdvisor(source, relocation) if source is not None else None
-        self.restart_spec = check_path("restart_spec", restart_spec, hint="e.g. 'hetero_restart.json'") or "hetero_restart.json"
-        self.hosts_file = check_path("hosts_file", hosts_file, must_exist=True,
-                                     hint="pass the file your --host-discovery-script prints (host:slots lines), or None")
+        self.restart_spec = opts.restart_spec or "hetero_restart.json"
+        self.hosts_file = opts.hosts_file
         self._hosts: list[str] | None = None  # each rank's slot ("host[local rank]") at the last boundary
         if self._advisor is not None:
-            # Rank 0 reads the description; every rank learns its verdict, so a bad one stops them all alike.
-            # Not in an elastic job: a worker that joins later builds its sampler alone, so no collective here
-            # (rank 0 validates, and its error ends the job).
-            problem = None
-            if self.exchange.rank() == 0:
-                try:
-                    self._advisor.start(0, world)
-                except ValueError as err:
-                    problem = str(err)
-            if os.environ.get("HOROVOD_ELASTIC") != "1":
-                problem = self.exchange.broadcast_object(problem, name="hetero_plugins.cluster")
-            if problem:
-                raise ValueError(problem)
+            # Not collective in an elastic job: a worker that joins later builds its sampler alone (rank 0
+            # validates, and its error ends the job).
+            start_advisor(self._advisor, self.exchange, 0, world,
+                          collective=os.environ.get("HOROVOD_ELASTIC") != "1")
         register_state_handler(HeteroBatchSampler)
 
     # ------------------------------------------------------------------ public surface
+    @property
+    def planner(self) -> BalancePlanner:
+        """The planner (identical on every rank); the coordinator plans with it."""
+        return self.coordinator.planner
+
+    @planner.setter
+    def planner(self, planner: BalancePlanner) -> None:
+        self.coordinator.planner = planner
+
     @property
     def plan(self) -> list[int]:
         """Per-rank batch sizes of the current epoch (segment), global-rank order."""
@@ -223,9 +206,13 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._epoch = epoch
         self._start_segment(None)
 
+    def segment(self) -> EpochLayout:
+        """The layout of the current epoch (segment): its steps and every rank's sample count per step."""
+        return self._segment()[2]
+
     def step_counts(self, step: int) -> tuple[int, ...]:
         """All ranks' sample counts of step ``step`` of the current epoch (segment)."""
-        return self._segment()[2].step_counts(step)
+        return self.segment().step_counts(step)
 
     def batch_indices(self, step: int, rank: int | None = None) -> list[int]:
         """The sample indices of ``rank``'s batch at step ``step`` of the current epoch (segment).
@@ -272,7 +259,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         start = sum(layout.step_counts(s)[rank] for s in range(min(self._steps_done, layout.steps)))
         for step in range(self._steps_done, layout.steps):
             b = layout.step_counts(step)[rank]
-            self._on_yield(b)
+            self.batch_drawn(b)
             yield shard[start : start + b].tolist()
             start += b
         self._exhausted = True
@@ -323,8 +310,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
         except ValueError:  # Horovod is between shutdown and init (elastic restore); done at sync/set_epoch
             pass
 
-    # ------------------------------------------------------------------ hooks for DistributedOptimizer
-    def _on_yield(self, batch_size: int) -> None:
+    # ------------------------------------------------------------------ step hooks (DistributedOptimizer calls them)
+    def batch_drawn(self, batch_size: int) -> None:
+        """The loader drew a batch of ``batch_size`` samples: its step's time starts now (or when the step
+        before it ends, if the loader draws ahead)."""
         if self._epoch_start is None:
             self._epoch_start = time.perf_counter()
         if self._open:
@@ -333,11 +322,13 @@ class HeteroBatchSampler(Sampler[list[int]]):
             self.timer.start_step(batch_size)
             self._open = True
 
-    def _on_backward_end(self) -> None:
+    def backward_done(self) -> None:
+        """This rank's gradients of the step are ready (before the all-reduce waits for the others)."""
         self.timer.mark_backward_end()
         self._steps_done += 1
 
-    def _on_step_end(self) -> None:
+    def step_done(self) -> None:
+        """The optimizer step (or an accumulated micro-batch) ended: close the step's timing."""
         if self._open:
             self.timer.end_step()
             self._epoch_end = time.perf_counter()
@@ -346,6 +337,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
             self.timer.start_step(self._pending.popleft())
             self._open = True
 
+    # The names the optimizer used before the hooks were public; aliases until it moves to the public ones.
+    _on_yield = batch_drawn
+    _on_backward_end = backward_done
+    _on_step_end = step_done
+
     # ------------------------------------------------------------------ internals
     def _new_planner(self, world: int) -> BalancePlanner:
         if self.global_batch < world:
@@ -353,7 +349,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
                 f"the global batch {self.global_batch} cannot give each of {world} ranks a sample. "
                 "HINT: start with a larger batch_size or use fewer workers (--max-np)."
             )
-        return BalancePlanner(world_size=world, global_batch=self.global_batch, **self._planner_kwargs)
+        return self.options.planner(world, self.global_batch)
 
     def _segment(self) -> tuple[Any, list[np.ndarray], EpochLayout]:
         key = (self._epoch, self._seg_plan, None if self._order is None else id(self._order))
@@ -394,64 +390,14 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._start_segment(remaining)
 
     def _plan_from_records(self) -> None:
-        """All-gather last epoch's step records, plan on every rank, broadcast rank 0's plan."""
+        """Plan the next epoch from the last one's step records (collective; rank 0 decides, all adopt)."""
         records = np.array([r.as_tuple() for r in self.timer.pop_records()], dtype=np.float64).reshape(-1, 3)
         elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
         self._epoch_start = self._epoch_end = None
-        world = self.exchange.size()
-        headers = self.exchange.allgather(np.array([len(records), elapsed]), name="hetero_plugins.header")
-        steps = int(headers[:, 0].min())
-        if steps == 0:
-            if headers[:, 0].max() > 0:
-                self._warn_once("uneven", "HeteroBatchSampler: some ranks recorded no steps; plan unchanged.")
-            return
-        mine = records[-steps:]  # equal on all ranks; the tail if a rank saw more
-        gathered = self.exchange.allgather(mine, name="hetero_plugins.records").reshape(world, steps, 3)
-        lead = self.exchange.rank() == 0 and self._advisor is not None
         hosts = None if self._hosts is None else [k.rsplit("[", 1)[0] for k in self._hosts]
-        data = data_times(gathered) if lead else []
-        upcoming = (self._advisor.before_decision(self._epoch, world, self.planner.allocator,  # type: ignore[union-attr]
-                                                  data, hosts) if lead else None)
-        entry = self.planner.end_epoch(self._epoch, gathered, epoch_time=float(headers[:, 1].max()))
-        relocation = self._relocate(upcoming, steps, data) if lead else None
-        # Rank 0 decides (it alone may hold the cluster context): every rank adopts its plan and its record.
-        decided = self.exchange.broadcast_object(
-            {"plan": list(self.planner.plan), "predicted_gain": entry.get("predicted_gain"),
-             "plan_changed": entry.get("plan_changed"),
-             "predicted_step_time": self.planner.predicted_step_time, "relocation": relocation}, name="hetero_plugins.plan")
-        self.planner.plan = [int(b) for b in decided["plan"]]
-        entry["next_batch_sizes"] = list(self.planner.plan)
-        entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]
-        self.planner.predicted_step_time = decided["predicted_step_time"]
-        if self._advisor is not None:
-            entry["relocation"] = decided["relocation"]
-        if self.exchange.rank() == 0:
-            log.info("HeteroBatchSampler: epoch %d batch sizes %s straggler level %.3f; next %s",
-                     entry["epoch"], entry["batch_sizes"], entry["straggler_level"], entry["next_batch_sizes"])
-
-    def _relocate(self, upcoming: Any, steps: int, data: list[float]) -> dict[str, Any] | None:
-        """Rank 0: would moving ranks to free slots pay for a restart? Write the restart spec if so."""
-        out = self._advisor.relocate(upcoming, self.planner, steps, 1 << 20, data)  # type: ignore[union-attr]
-        if out is None:
-            return None
-        decision, new = out
-        info = ClusterAdvisor.info(self._epoch + 1, decision)
-        if new:
-            from hetero_plugins.scheduler.relocation import write_relocation_spec
-
-            places = upcoming.places
-            moves = [(places[r].get("host"), upcoming.free_slots[k].get("host")) for r, k in decision.moves]
-            apply = self.hosts_file is not None and all(a and b for a, b in moves)
-            info["spec"] = str(write_relocation_spec(
-                self.restart_spec, decision, places, upcoming.free_slots, epoch=self._epoch + 1,
-                extra={"hosts_file": self.hosts_file} if apply else None))
-            if apply:
-                move_host_slots(self.hosts_file, moves)  # type: ignore[arg-type]
-                info["applied"] = "hosts_file"
-            log.warning("HeteroBatchSampler: relocation %s predicted %.1f%% faster; spec %s%s", decision.moves,
-                        100 * decision.predicted_gain, info["spec"],
-                        f"; {self.hosts_file} rewritten, Horovod will reset onto the new hosts" if apply else "")
-        return info
+        self.coordinator.end_epoch(self._epoch, records, elapsed, hosts=hosts,
+                                   write_relocation=functools.partial(relocate_by_hosts_file, self.restart_spec,
+                                                                      self.hosts_file))
 
     def _reconcile_hosts(self) -> None:
         """With a cluster description: follow each rank's slot across elastic resets (collective).
@@ -463,30 +409,14 @@ class HeteroBatchSampler(Sampler[list[int]]):
         """
         if self._advisor is None:
             return
-        me = f"{os.environ.get('HOROVOD_HOSTNAME') or socket.gethostname()}[{os.environ.get('HOROVOD_LOCAL_RANK', '0')}]"
-        hosts = self.exchange.allgather_object(me, name="hetero_plugins.hosts")
+        hosts = self.exchange.allgather_object(slot_name(), name="hetero_plugins.hosts")
         before, self._hosts = self._hosts, hosts
-        if before is None or before == hosts or len(before) != len(hosts) or len(hosts) != self.planner.world_size:
+        if not slots_moved(before, hosts, self.planner.world_size):
             return
-        predicted = None
-        if self.exchange.rank() == 0:
-            from hetero_plugins.scheduler.relocation import read_relocation_spec
-
-            spec = read_relocation_spec(self.restart_spec) or {}
-            predicted = {r.get("host"): r.get("line") for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
+        predicted = predicted_lines(self.restart_spec) if self.exchange.rank() == 0 else None
         predicted = self.exchange.broadcast_object(predicted, name="hetero_plugins.predicted")
-        from hetero_plugins.balancing.time_model import LinearTimeModel
-
-        old = dict(zip(before, self.planner.models))
-        fresh = [LinearTimeModel(half_life=m.half_life) for m in self.planner.models]
-        self.planner.models = [old.get(key, fresh[i]) for i, key in enumerate(hosts)]
-        for i, key in enumerate(hosts):
-            line = None if key in old else predicted.get(key.rsplit("[", 1)[0])
-            if line:
-                self.planner.seed_model(i, line)
-        self.planner.replan()
-        self.planner.plan = [int(b) for b in self.exchange.broadcast_object(
-            list(self.planner.plan), name="hetero_plugins.replan")]
+        follow_slots(self.planner, before, hosts, predicted)  # type: ignore[arg-type]
+        self.coordinator.replan()
         log.info("HeteroBatchSampler: slots %s -> %s; plan %s", before, hosts, self.planner.plan)
         if self._steps_done > 0 or self._order is not None:
             remaining = self._unprocessed()

@@ -22,6 +22,12 @@ def test_hooks_exact_balanced_every_sample_once(horovodrun, tmp_path):
     assert sum(res["epochs"][-1]["plan"]) == 8
     assert res["max_diff"] < 1e-9 and res["max_diff_accumulation"] < 1e-9
     assert [h["epoch"] for h in res["plan_history"]] == [0, 1, 2]
+    # balancing=BalancingOptions(...) is accepted; the Lightning-only options are refused, each by name.
+    assert sorted(res["refused"]) == ["apply_relocation", "balance_eval", "log_metrics", "memory_headroom",
+                                      "replan_every"]
+    assert all(f"`{k}`" in msg and "HINT" in msg for k, msg in res["refused"].items())
+    hist = res["hooks_history"]  # timed through the public hooks batch_drawn/backward_done/step_done
+    assert [h["epoch"] for h in hist] == [0, 1] and hist[-1]["next_batch_sizes"][0] > hist[-1]["next_batch_sizes"][1]
 
 
 def test_lightning_strategy(horovodrun, tmp_path):

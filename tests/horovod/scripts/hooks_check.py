@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import hetero_plugins.horovod as hh
 from hetero_plugins.apps.digits import digits_datasets
+from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.emulation import EmulationModel
 
 TOL = 1e-9
@@ -130,6 +131,32 @@ def main(out_path: str) -> None:
             worst2 = max(worst2, d)
             assert d < TOL, f"accumulation step {k}: {d}"
     summary["max_diff_accumulation"] = worst2
+
+    # ---- phase 3: the balancing options as one object, and the options this sampler refuses
+    s3 = hh.HeteroBatchSampler(96, batch_size=4, balancing=BalancingOptions(allocator="lbb", min_batch_size=2,
+                                                                          replan_every=None))
+    s4 = hh.HeteroBatchSampler(96, batch_size=4, allocator="lbb", min_batch_size=2)
+    assert s3.options == BalancingOptions(allocator="lbb", min_batch_size=2, replan_every=None), s3.options
+    assert s3.planner.allocator.name == s4.planner.allocator.name == "lbb"
+    assert s3.planner.min_batch_size == s4.planner.min_batch_size == 2
+    refused = {}
+    for name, value in (("balance_eval", False), ("replan_every", 3), ("log_metrics", False),
+                        ("memory_headroom", 0.5), ("apply_relocation", False)):
+        try:
+            hh.HeteroBatchSampler(96, batch_size=4, **{name: value})
+        except ValueError as err:
+            refused[name] = str(err)
+    summary["refused"] = refused
+    # Two epochs through the public step hooks (what DistributedOptimizer calls): the records reach the plan.
+    for epoch in range(2):
+        s3.set_epoch(epoch)
+        for idx in s3:
+            time.sleep(0.002 * len(idx) * (4 if rank == 1 else 1))
+            s3.backward_done()
+            s3.step_done()
+        assert s3.steps_done == s3.segment().steps
+    s3.set_epoch(2)
+    summary["hooks_history"] = s3.plan_history
     summary["ok"] = True
     if rank == 0:
         with open(out_path, "w") as f:

@@ -1,0 +1,229 @@
+"""Per-rank batch sizes inside the loaders Lightning prepares, and predictions put back in dataset order.
+
+Only public attributes of torch's samplers are touched: the ``sampler`` and ``batch_size`` of a
+``BatchSampler`` that wraps the ``DistributedSampler`` Lightning injected. A train loader is rebuilt around a
+:class:`~hetero_plugins.balancing.sampler.HeteroBatchSampler` (batches drawn step by step, so plans can change
+mid-epoch); evaluation loaders get a :class:`~hetero_plugins.balancing.sampler.HeteroDistributedSampler`; the
+predict loader gets contiguous per-rank slices of the prediction order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
+
+from hetero_plugins.balancing.allocators import Bounds, largest_remainder
+from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
+
+if TYPE_CHECKING:
+    from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+
+__all__ = ["BalancedLoaders", "loader_like", "loader_plan"]
+
+
+def loader_plan(dl: object, world: int) -> tuple[list[int], int] | None:
+    """The first plan and the dataset length a train loader implies (``None``: not a batched ``DataLoader``).
+
+    A balanced sampler brings its plan; Lightning's ``DistributedSampler`` in a ``BatchSampler`` means the
+    loader's ``batch_size`` on every rank.
+    """
+    if not isinstance(dl, DataLoader) or dl.batch_sampler is None:
+        return None
+    bs = dl.batch_sampler
+    if isinstance(bs, HeteroBatchSampler):
+        return list(bs.plan), bs.sampler.num_samples
+    inner = getattr(bs, "sampler", None)
+    if isinstance(inner, HeteroDistributedSampler):
+        return list(inner.plan), inner.num_samples
+    local = getattr(bs, "batch_size", None)
+    if not isinstance(local, int):
+        return None
+    n = len(inner.dataset) if isinstance(inner, DistributedSampler) else len(dl.dataset)  # type: ignore[arg-type]
+    return [local] * world, n
+
+
+def loader_like(dl: DataLoader, batch_sampler: Any) -> DataLoader:
+    """A ``DataLoader`` over ``dl``'s dataset with ``dl``'s loading options and another batch sampler."""
+    return DataLoader(
+        dl.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=dl.num_workers,
+        collate_fn=dl.collate_fn,
+        pin_memory=dl.pin_memory,
+        timeout=dl.timeout,
+        worker_init_fn=dl.worker_init_fn,
+        multiprocessing_context=dl.multiprocessing_context,
+        prefetch_factor=dl.prefetch_factor,
+        persistent_workers=dl.persistent_workers,
+        generator=dl.generator,
+    )
+
+
+class BalancedLoaders:
+    """The balancer's loaders: installs the plan of ``balancer.planner`` in each loader Lightning prepares.
+
+    Attributes:
+        train_sampler: the train loader's balanced sampler, once installed.
+    """
+
+    def __init__(self, balancer: BatchBalancer) -> None:
+        self.balancer = balancer
+        self.train_sampler: HeteroDistributedSampler | HeteroBatchSampler | None = None
+        self.predict_ordered = False
+        self._warned: set[str] = set()
+
+    @staticmethod
+    def own_batch_sampler(trainer: pl.Trainer) -> HeteroBatchSampler | None:
+        """The train loader's ``HeteroBatchSampler`` (installed by the strategy or passed by the user)."""
+        dl = trainer.train_dataloader
+        bs = dl.batch_sampler if isinstance(dl, DataLoader) else None
+        return bs if isinstance(bs, HeteroBatchSampler) else None
+
+    def prepare(self, dataloader: object, trainer: pl.Trainer) -> object:
+        """Install per-rank batch sizes in a loader Lightning prepared (for the stage running now)."""
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        stage = trainer.state.stage
+        balance_eval = self.balancer.options.balance_eval
+        if stage == RunningStage.TRAINING:
+            return self._train_loader(dataloader, trainer)
+        elif stage == RunningStage.PREDICTING and balance_eval:
+            return self._predict_loader(dataloader, trainer)
+        elif balance_eval and stage is not None:
+            self.install(dataloader, trainer, train=False)
+        return dataloader
+
+    def _train_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:
+        """The train loader with a :class:`HeteroBatchSampler` in place of Lightning's ``DistributedSampler``:
+        same dataset, seed, shuffling and ``drop_last``; batches drawn step by step, so plans can change
+        mid-epoch."""
+        bs = dl.batch_sampler
+        if type(bs) is not BatchSampler or type(bs.sampler) is not DistributedSampler:
+            self.install(dl, trainer, train=True)  # a user HeteroBatchSampler, or a warning
+            return dl
+        inner = bs.sampler
+        planner = self.balancer.ensure_planner(trainer, dl)
+        if planner is None:
+            return dl
+        hb = HeteroBatchSampler(
+            len(inner.dataset), planner.plan, trainer.global_rank, shuffle=inner.shuffle, seed=inner.seed,  # type: ignore[arg-type]
+            drop_last=bool(inner.drop_last or bs.drop_last), locality=self.balancer.options.locality,
+        )
+        hb.set_epoch(trainer.current_epoch)
+        self.train_sampler = hb
+        return loader_like(dl, hb)
+
+    def _predict_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:
+        """A loader over this rank's contiguous slice of the prediction order, in batches of its planned size.
+
+        Lightning's prediction sampler hands out every world-size-th sample with equal counts; the order it
+        would visit is kept (its ``dataset`` maps positions to indices), cut into contiguous per-rank slices
+        sized by the plan, so that concatenating all ranks' outputs restores the dataset order.
+        """
+        inner = getattr(dl.batch_sampler, "sampler", None)
+        local = getattr(dl.batch_sampler, "batch_size", None)
+        if not isinstance(inner, DistributedSampler) or not isinstance(local, int):
+            self._warn_once("predict", "BatchBalancer: the predict loader is not a batched DataLoader with "
+                            "Lightning's distributed sampler; predictions keep equal batches and rank order.")
+            return dl
+        positions = inner.dataset  # Lightning's wrapper: position -> index of the user's sampler order
+        order = [int(positions[p]) for p in range(len(positions))]  # type: ignore[arg-type]
+        plan = self._plan_for(trainer, False, local, trainer.world_size)
+        self.predict_ordered = True
+        return loader_like(dl, HeteroInferenceBatchSampler(order, plan, trainer.global_rank))
+
+    def gather_predictions(self, trainer: pl.Trainer) -> None:
+        """Every rank's predictions, concatenated in rank order, which is dataset order (see ``_predict_loader``)."""
+        if not self.predict_ordered or trainer.world_size == 1:
+            return
+        predictions = trainer.predict_loop.predictions
+        if not isinstance(predictions, list) or (predictions and isinstance(predictions[0], list)):
+            return  # several predict loaders: left as Lightning returns them
+        gathered: list[Any] = []
+        for src in range(trainer.world_size):
+            gathered += trainer.strategy.broadcast(list(predictions) if trainer.global_rank == src else None, src=src)
+        predictions[:] = gathered
+
+    def install(self, dl: DataLoader, trainer: pl.Trainer, train: bool) -> bool:
+        """Put the plan into ``dl``'s batch sampler in place; ``False`` (and a warning) if it cannot be."""
+        bs = dl.batch_sampler
+        rank, world = trainer.global_rank, trainer.world_size
+        if isinstance(bs, HeteroBatchSampler):
+            sampler: HeteroDistributedSampler = bs.sampler
+            local_batch = None
+        elif type(bs) is BatchSampler and isinstance(bs.sampler, (HeteroDistributedSampler, DistributedSampler)):
+            sampler = bs.sampler  # type: ignore[assignment]
+            local_batch = bs.batch_size
+        else:
+            kind = type(getattr(bs, "sampler", bs)).__name__
+            self._warn_once(
+                f"sampler-{kind}",
+                f"BatchBalancer: cannot rebalance a loader whose sampler is {kind}; its batches stay equal. "
+                "HINT: let Lightning inject its DistributedSampler (use_distributed_sampler=True) or pass a "
+                "hetero_plugins.HeteroBatchSampler as batch_sampler.",
+            )
+            return False
+        if isinstance(sampler, DistributedSampler) and not isinstance(sampler, HeteroDistributedSampler):
+            if type(sampler) is not DistributedSampler:
+                self._warn_once("dsw", f"BatchBalancer: cannot rebalance {type(sampler).__name__}; batches stay equal.")
+                return False
+            n = len(sampler.dataset)  # type: ignore[arg-type]
+            drop_last = bool(sampler.drop_last or bs.drop_last)  # type: ignore[union-attr]
+            plan = self._plan_for(trainer, train, int(local_batch), world, dl=dl)  # type: ignore[arg-type]
+            sampler = HeteroDistributedSampler(
+                n, plan, rank, shuffle=sampler.shuffle, seed=sampler.seed, drop_last=drop_last,
+                locality=self.balancer.options.locality, pad_to_world_size=train,
+            )
+            sampler.set_epoch(trainer.current_epoch)
+            bs.sampler = sampler  # type: ignore[union-attr]
+        else:
+            local = sampler.batch_size if local_batch is None else int(local_batch)
+            plan = self._plan_for(trainer, train, local, world, current=sampler.plan, dl=dl)
+            if isinstance(bs, HeteroBatchSampler):
+                bs.set_plan(plan)
+            else:
+                sampler.set_plan(plan)
+        if isinstance(bs, BatchSampler):
+            bs.batch_size = plan[rank]
+        if train:
+            self.train_sampler = bs if isinstance(bs, HeteroBatchSampler) else sampler
+        return True
+
+    def _plan_for(
+        self, trainer: pl.Trainer, train: bool, local_batch: int, world: int,
+        current: Sequence[int] | None = None,
+        dl: object = None,
+    ) -> list[int]:
+        planner = self.balancer.ensure_planner(trainer, dl) if train else self.balancer.planner
+        if train and planner is not None:
+            return list(planner.plan)
+        if current is not None and not train and planner is None:
+            return list(current)
+        # Evaluation: same global eval batch, shared in proportion to the training plan.
+        global_eval = local_batch * world if current is None else sum(current)
+        shares = [1.0 / world] * world if planner is None else [b / planner.global_batch for b in planner.plan]
+        return largest_remainder([s * global_eval for s in shares], global_eval, Bounds.uniform(world, 1))
+
+    def step_counts(self, trainer: pl.Trainer, batch_idx: int) -> tuple[int, ...] | None:
+        """All ranks' sample counts of train step ``batch_idx`` under the installed sampler (``None``: unknown)."""
+        s = self.train_sampler
+        dl = trainer.train_dataloader
+        if s is None or not isinstance(dl, DataLoader):
+            return None
+        if dl.batch_sampler is not s and getattr(dl.batch_sampler, "sampler", None) is not s:
+            return None
+        try:
+            return s.step_counts(batch_idx)
+        except IndexError:
+            return None
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message, category=RuntimeWarning)
