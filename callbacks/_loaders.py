@@ -10,7 +10,7 @@ predict loader gets contiguous per-rank slices of the prediction order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
@@ -21,11 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from hetero_plugins.balancing.allocators import Bounds, largest_remainder
 from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 
-if TYPE_CHECKING:
-    from hetero_plugins.callbacks.batch_balancer import BatchBalancer
-
 __all__ = ["BalancedLoaders", "loader_like", "loader_plan"]
-
 
 def loader_plan(dl: object, world: int) -> tuple[list[int], int] | None:
     """The first plan and the dataset length a train loader implies (``None``: not a batched ``DataLoader``).
@@ -47,7 +43,6 @@ def loader_plan(dl: object, world: int) -> tuple[list[int], int] | None:
     n = len(inner.dataset) if isinstance(inner, DistributedSampler) else len(dl.dataset)  # type: ignore[arg-type]
     return [local] * world, n
 
-
 def loader_like(dl: DataLoader, batch_sampler: Any) -> DataLoader:
     """A ``DataLoader`` over ``dl``'s dataset with ``dl``'s loading options and another batch sampler."""
     return DataLoader(
@@ -64,6 +59,13 @@ def loader_like(dl: DataLoader, batch_sampler: Any) -> DataLoader:
         generator=dl.generator,
     )
 
+class _Balancer(Protocol):
+    """What the loaders need from their ``BatchBalancer``."""
+
+    options: Any
+    planner: Any
+
+    def ensure_planner(self, trainer: pl.Trainer, dl: Any = None) -> Any: ...
 
 class BalancedLoaders:
     """The balancer's loaders: installs the plan of ``balancer.planner`` in each loader Lightning prepares.
@@ -72,7 +74,7 @@ class BalancedLoaders:
         train_sampler: the train loader's balanced sampler, once installed.
     """
 
-    def __init__(self, balancer: BatchBalancer) -> None:
+    def __init__(self, balancer: _Balancer) -> None:
         self.balancer = balancer
         self.train_sampler: HeteroDistributedSampler | HeteroBatchSampler | None = None
         self.predict_ordered = False

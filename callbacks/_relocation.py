@@ -38,7 +38,7 @@ def resumed_relocation(options: BalancingOptions, trainer: pl.Trainer) -> dict[s
     """The restart spec this fit resumes from (its checkpoint is ``trainer.ckpt_path``), else ``None``."""
     from hetero_plugins.scheduler.relocation import read_relocation_spec
 
-    spec = read_relocation_spec(spec_path(options, trainer))
+    spec = read_relocation_spec(spec_path(options, trainer), world_size=trainer.world_size)
     ckpt = trainer.ckpt_path
     if spec is None or not spec.get("checkpoint") or not ckpt:
         return None

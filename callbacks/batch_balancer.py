@@ -140,7 +140,6 @@ class BatchBalancer(Callback):
         """The train loader's ``HeteroBatchSampler`` (installed by the strategy or passed by the user)."""
         return self.loaders.own_batch_sampler(trainer)
 
-    _own_batch_sampler = own_batch_sampler  # the name the aggregation mixin used; an alias until it moves
 
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel, world_size: int) -> None:
         """Register the sample-weighted all-reduce hook on ``ddp_model`` (once)."""
@@ -221,8 +220,16 @@ class BatchBalancer(Callback):
         if self._advisor is not None:
             comm = StrategyCollectives(trainer.strategy)
             start_advisor(self._advisor, comm, trainer.current_epoch, trainer.world_size)
-            resumed = self.resumed_relocation(trainer) if trainer.is_global_zero else None
-            self._resumed_relocation = comm.broadcast_object(resumed, name="hetero_plugins.resumed")
+            # Rank 0 reads the spec inside a collective: a broken one must stop every rank alike, not rank 0 alone.
+            found: tuple[str | None, dict[str, Any] | None] = (None, None)
+            if trainer.is_global_zero:
+                try:
+                    found = (None, self.resumed_relocation(trainer))
+                except ValueError as err:
+                    found = (str(err), None)
+            problem, self._resumed_relocation = comm.broadcast_object(found, name="hetero_plugins.resumed")
+            if problem is not None:
+                raise ValueError(problem)
         if self._external_weighting is not None or self._hook_state is not None:
             return
         model = trainer.strategy.model

@@ -90,7 +90,7 @@ class AggregationMixin(_StrategyHost):
     @property
     def communication_bytes(self) -> int:
         """Bytes this rank sent into gradient / model exchanges during training (all modes)."""
-        hook = getattr(self.balancer, "_hook_state", None)
+        hook = self.balancer.hook_state
         sent = self.aggregator.stats.bytes if self.aggregator is not None else 0
         return sent + (int(hook.bytes) if hook is not None else 0)
 
@@ -140,7 +140,7 @@ class AggregationMixin(_StrategyHost):
         module = self.lightning_module
         assert module is not None
         batch, batch_idx, rest = _step_arguments(args, kwargs)
-        own = self.balancer._own_batch_sampler(module.trainer)
+        own = self.balancer.own_batch_sampler(module.trainer)
         if aggregator.micro_batched and own is None:
             raise RuntimeError(
                 f"aggregation={self.aggregation.mode!r} needs the strategy's balanced train sampler, but the train "

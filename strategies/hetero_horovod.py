@@ -41,7 +41,7 @@ from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin
-from hetero_plugins.horovod._hvd import hvd as _hvd
+from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 from hetero_plugins.horovod.exchange import HorovodExchange
 from hetero_plugins.horovod.weighting import GradientWeighting
 

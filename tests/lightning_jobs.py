@@ -88,7 +88,7 @@ class Report(Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         balancer = next((cb for cb in trainer.callbacks if type(cb).__name__ == "BatchBalancer"), None)
-        hook = getattr(balancer, "_hook_state", None)
+        hook = getattr(balancer, "hook_state", None)
         report = {
             "rank": trainer.global_rank,
             "batch_plan": balancer.batch_plan if balancer else None,

@@ -9,7 +9,6 @@ and :class:`MicroBatch`. Each mode's own parts live in its module: the deadline 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,19 +138,3 @@ class MicroBatch:
     step: int = 0
     index: int = 0
     weight: float = 1.0
-
-
-#: Names that moved to the mode modules, importable from here for one release.
-_MOVED = {
-    "CarryQueue": "deadline",
-    "DeadlineRule": "deadline",
-    "ClaimKeys": "wbsp",
-    "StepClaims": "wbsp",
-    "open_claim_store": "wbsp",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(f"hetero_plugins.aggregation.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

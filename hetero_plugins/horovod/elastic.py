@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hetero_plugins._files import write_atomic
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.time_model import LinearTimeModel
 
@@ -47,10 +49,18 @@ def slots_moved(before: Sequence[str] | None, hosts: Sequence[str], world_size: 
 
 
 def predicted_lines(restart_spec: str) -> dict[str, Any]:
-    """Each host's predicted ``(intercept, slope)`` line from the restart spec (empty without a spec)."""
+    """Each host's predicted ``(intercept, slope)`` line from the restart spec (empty without a spec).
+
+    Rank 0 reads it inside a collective, so a broken spec must not raise on rank 0 alone: it is reported with a
+    warning and the moved ranks start from the fallback line instead.
+    """
     from hetero_plugins.scheduler.relocation import read_relocation_spec
 
-    spec = read_relocation_spec(restart_spec) or {}
+    try:
+        spec = read_relocation_spec(restart_spec) or {}
+    except ValueError as err:
+        warnings.warn(f"the restart spec is not used: {err}", RuntimeWarning, stacklevel=2)
+        spec = {}
     return {r.get("host"): r.get("line") for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
 
 
@@ -109,10 +119,7 @@ def move_host_slots(path: str, moves: Sequence[tuple[str, str]]) -> None:
             order.append(dst)
             slots[dst] = 0
         slots[dst] += 1
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write("".join(f"{h}:{slots[h]}\n" for h in order if slots[h] > 0))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(f"{h}:{slots[h]}\n" for h in order if slots[h] > 0))
 
 
 _ELASTIC_REGISTERED = False

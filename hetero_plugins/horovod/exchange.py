@@ -14,7 +14,7 @@ import torch
 
 from hetero_plugins._validation import check_choice
 from hetero_plugins.collectives import CompletedHandle, ReduceHandle
-from hetero_plugins.horovod._hvd import hvd as _hvd
+from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 
 __all__ = ["HorovodExchange", "MPIExchange", "get_exchange"]
 

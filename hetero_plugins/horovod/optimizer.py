@@ -19,7 +19,7 @@ from torch.utils.data import default_collate
 from hetero_plugins._validation import check_int
 from hetero_plugins.aggregation import AggregationStats, Aggregator, StepContext, make_aggregator
 from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
-from hetero_plugins.horovod._hvd import hvd as _hvd
+from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 from hetero_plugins.horovod.exchange import HorovodExchange
 from hetero_plugins.horovod.sampler import HeteroBatchSampler
 from hetero_plugins.horovod.weighting import GradientWeighting
@@ -354,7 +354,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         sampler.timer.set_samples(done)  # stolen samples count for this rank, missed ones do not
         sampler.timer.mark_gradients_ready()
         self._loop = "done"
-        sampler._on_backward_end()
+        sampler.backward_done()
 
     def step(self, closure: Any = None) -> Any:
         """Exchange as the mode does, then step the wrapped optimizer (see the class doc)."""
@@ -396,7 +396,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
                 loss = out
         aggregator.after_step(ctx)
         self._ctx, self._loop, self._backward_step, self._backwards = None, None, None, 0
-        self.batch_sampler._on_step_end()
+        self.batch_sampler.step_done()
         return loss
 
     def flush(self) -> bool:
@@ -425,14 +425,14 @@ class AggregatingOptimizer(torch.optim.Optimizer):
             return  # the loop over micro_batches() ends the step's backward once
         sampler = self.batch_sampler
         self._backward_step = sampler.steps_done
-        sampler._on_backward_end()
+        sampler.backward_done()
         if self._backwards < self.backward_passes_per_step:
-            sampler._on_step_end()  # an accumulated pass: no collective waits before the next
+            sampler.step_done()  # an accumulated pass: no collective waits before the next
 
     def _context(self, step: int, batch: Any = None) -> StepContext:
         """Step ``step`` of the sampler's epoch (segment) as the aggregator sees it."""
         sampler = self.batch_sampler
-        steps = sampler._segment()[2].steps  # the epoch's layout: the one source of its last step
+        steps = sampler.segment().steps  # the epoch's layout: the one source of its last step
         micro = self.aggregator.micro_batched
         if micro and step >= steps:
             raise RuntimeError(

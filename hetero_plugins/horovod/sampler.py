@@ -337,11 +337,6 @@ class HeteroBatchSampler(Sampler[list[int]]):
             self.timer.start_step(self._pending.popleft())
             self._open = True
 
-    # The names the optimizer used before the hooks were public; aliases until it moves to the public ones.
-    _on_yield = batch_drawn
-    _on_backward_end = backward_done
-    _on_step_end = step_done
-
     # ------------------------------------------------------------------ internals
     def _new_planner(self, world: int) -> BalancePlanner:
         if self.global_batch < world:

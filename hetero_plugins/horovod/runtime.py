@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["hvd"]
+__all__ = ["horovod_torch"]
 
 
-def hvd() -> Any:
-    """``horovod.torch``, or a ``ValueError`` that says how to install it."""
+def horovod_torch() -> Any:
+    """``horovod.torch``, or an ``ImportError`` that says how to install it."""
     try:
         import horovod.torch as hvd
     except ImportError as err:  # pragma: no cover - depends on the environment
