@@ -48,7 +48,7 @@ def slots_moved(before: Sequence[str] | None, hosts: Sequence[str], world_size: 
 
 def predicted_lines(restart_spec: str) -> dict[str, Any]:
     """Each host's predicted ``(intercept, slope)`` line from the restart spec (empty without a spec)."""
-    from hetero_plugins.scheduler.relocation import read_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import read_relocation_spec
 
     spec = read_relocation_spec(restart_spec) or {}
     return {r.get("host"): r.get("line") for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
@@ -71,7 +71,7 @@ def relocate_by_hosts_file(restart_spec: str, hosts_file: str | None, info: dict
                            upcoming: Any) -> None:
     """Rank 0, for a new gaining relocation: write the restart spec and, with a ``hosts_file`` and moves whose
     slots name their hosts, apply it by moving host slots in that file (Horovod then resets onto them)."""
-    from hetero_plugins.scheduler.relocation import write_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import write_relocation_spec
 
     places = upcoming.places
     moves = [(places[r].get("host"), upcoming.free_slots[k].get("host")) for r, k in decision.moves]
