@@ -295,3 +295,9 @@ def test_the_spec_functions_are_still_public_in_relocation_and_the_scheduler():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any("relocation" in m for m in imported if m), imported  # no cycle back to the relocator
 
+
+def test_the_scheduler_data_times_is_the_coordinators():
+    from hetero_plugins.balancing.coordinator import data_times
+    from hetero_plugins.scheduler import cluster_advisor
+
+    assert cluster_advisor.data_times is data_times and "data_times" in cluster_advisor.__all__
