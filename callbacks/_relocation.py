@@ -36,7 +36,7 @@ def spec_path(options: BalancingOptions, trainer: pl.Trainer) -> str:
 
 def resumed_relocation(options: BalancingOptions, trainer: pl.Trainer) -> dict[str, Any] | None:
     """The restart spec this fit resumes from (its checkpoint is ``trainer.ckpt_path``), else ``None``."""
-    from hetero_plugins.scheduler.relocation import read_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import read_relocation_spec
 
     spec = read_relocation_spec(spec_path(options, trainer), world_size=trainer.world_size)
     ckpt = trainer.ckpt_path
@@ -49,7 +49,7 @@ def write_torchrun_relocation(trainer: pl.Trainer, options: BalancingOptions, wa
                               info: dict[str, Any], decision: Any, upcoming: Any) -> None:
     """Rank 0, for a new gaining relocation: write the spec; under torchrun with restarts left and moves that stay
     on their hosts, name the checkpoint every rank saves before the restart (``info["checkpoint"]``)."""
-    from hetero_plugins.scheduler.relocation import torchelastic_restarts, write_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import torchelastic_restarts, write_relocation_spec
 
     path = spec_path(options, trainer)
     extra: dict[str, Any] = {}

@@ -121,7 +121,7 @@ def test_restart_cost_is_validated():
 def test_the_spec_names_the_moves_and_warns_with_the_gain(tmp_path):
     import json
 
-    from hetero_plugins.scheduler.relocation import write_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import write_relocation_spec
 
     d = _propose(Relocator(restart_cost=0.0))
     with pytest.warns(RuntimeWarning, match=r"rank\(s\) \[1\] to free slot\(s\) \[0\].*% faster"):
@@ -172,7 +172,7 @@ def test_cluster_descriptions_are_validated(tmp_path, monkeypatch):
 
 
 def test_resume_checkpoint_only_in_a_later_restart_of_the_same_run(tmp_path, monkeypatch):
-    from hetero_plugins.scheduler.relocation import resume_checkpoint
+    from hetero_plugins.scheduler.restart_spec import resume_checkpoint
 
     ckpt = tmp_path / "hetero_relocation.ckpt"
     ckpt.write_bytes(b"x")
@@ -239,7 +239,7 @@ def test_new_balancer_options_are_checked():
 
 def test_plan_relocation_is_the_relocator_and_writes_the_one_spec_format(tmp_path):
     from hetero_plugins.scheduler import InterferencePredictor, plan_relocation, write_restart_spec
-    from hetero_plugins.scheduler.relocation import read_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import read_relocation_spec
 
     p = InterferencePredictor.load()
     slots = [{"device": "t4", "corunner": "video"}, {"device": "v100", "corunner": None},

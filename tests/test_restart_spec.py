@@ -10,14 +10,8 @@ import warnings
 import pytest
 
 from hetero_plugins._files import write_atomic
-from hetero_plugins.scheduler.relocation import (
-    Relocation,
-    Relocator,
-    plan_relocation,
-    read_relocation_spec,
-    resume_checkpoint,
-    write_relocation_spec,
-)
+from hetero_plugins.scheduler.relocation import Relocation, Relocator, plan_relocation
+from hetero_plugins.scheduler.restart_spec import read_relocation_spec, resume_checkpoint, write_relocation_spec
 
 V100, T4 = (0.005, 0.0005), (0.006, 0.0012)
 PLACES = [{"device": "v100", "corunner": None, "host": "a", "index": 0},
@@ -281,3 +275,29 @@ def test_plan_relocation_refuses_non_integer_slot_indices():
 def test_the_relocator_refuses_no_predictor():
     with pytest.raises(ValueError, match=r"`predictor`=False is not usable.*HINT"):
         Relocator(predictor=False)
+
+
+# ---------------------------------------------------------------- module layout
+def test_the_spec_functions_are_still_public_in_relocation_and_the_scheduler():
+    import ast
+    import inspect
+
+    import hetero_plugins.scheduler as scheduler
+    from hetero_plugins.scheduler import relocation, restart_spec
+
+    for name in ("resume_checkpoint", "write_relocation_spec", "read_relocation_spec", "check_relocation_spec",
+                 "torchelastic_restarts"):
+        assert getattr(relocation, name) is getattr(restart_spec, name), name
+        assert name in relocation.__all__ and name in restart_spec.__all__, name
+    assert scheduler.resume_checkpoint is restart_spec.resume_checkpoint
+    tree = ast.parse(inspect.getsource(restart_spec))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any("relocation" in m for m in imported if m), imported  # no cycle back to the relocator
+
+
+def test_the_scheduler_data_times_is_the_coordinators():
+    from hetero_plugins.balancing.coordinator import data_times
+    from hetero_plugins.scheduler import cluster_advisor
+
+    assert cluster_advisor.data_times is data_times and "data_times" in cluster_advisor.__all__

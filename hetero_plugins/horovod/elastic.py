@@ -54,7 +54,7 @@ def predicted_lines(restart_spec: str) -> dict[str, Any]:
     Rank 0 reads it inside a collective, so a broken spec must not raise on rank 0 alone: it is reported with a
     warning and the moved ranks start from the fallback line instead.
     """
-    from hetero_plugins.scheduler.relocation import read_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import read_relocation_spec
 
     try:
         spec = read_relocation_spec(restart_spec) or {}
@@ -81,7 +81,7 @@ def relocate_by_hosts_file(restart_spec: str, hosts_file: str | None, info: dict
                            upcoming: Any) -> None:
     """Rank 0, for a new gaining relocation: write the restart spec and, with a ``hosts_file`` and moves whose
     slots name their hosts, apply it by moving host slots in that file (Horovod then resets onto them)."""
-    from hetero_plugins.scheduler.relocation import write_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import write_relocation_spec
 
     places = upcoming.places
     moves = [(places[r].get("host"), upcoming.free_slots[k].get("host")) for r, k in decision.moves]

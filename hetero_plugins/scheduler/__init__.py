@@ -13,9 +13,9 @@
 
 Modules: ``policy`` (the two allocators), ``dqn`` and ``features`` (the network and its inputs), ``ncf`` (the
 predictor), ``interference`` (its corrections of time lines), ``placement`` (best placement, equal-finish
-split), ``problem`` (the decision record), ``relocation`` (the relocator and its restart spec),
-``cluster_advisor`` (cluster context for the integrations), ``pretrain`` / ``transfer`` / ``commands``
-(training and the command line) and ``sim`` (the simulator).
+split), ``problem`` (the decision record), ``relocation`` (the relocator), ``restart_spec`` (the restart spec
+a relocation is written to and resumed from), ``cluster_advisor`` (cluster context for the integrations),
+``pretrain`` / ``transfer`` / ``commands`` (training and the command line) and ``sim`` (the simulator).
 """
 
 from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork
@@ -27,10 +27,9 @@ from hetero_plugins.scheduler.relocation import (
     RelocationPlan,
     Relocator,
     plan_relocation,
-    resume_checkpoint,
-    write_relocation_spec,
     write_restart_spec,
 )
+from hetero_plugins.scheduler.restart_spec import resume_checkpoint, write_relocation_spec
 
 __all__ = [
     "FEATURES",

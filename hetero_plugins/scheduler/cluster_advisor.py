@@ -24,23 +24,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from hetero_plugins.balancing.coordinator import data_times  # re-exported: it lives with the coordinator
 from hetero_plugins.cluster import ClusterSource, ClusterView, HostsUnknown, read_cluster
 from hetero_plugins.scheduler.relocation import Relocator
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ClusterAdvisor", "data_times"]
-
-
-def data_times(records: np.ndarray) -> list[float]:
-    """Each rank's mean data seconds per step from step records ``(world, steps, 3)`` (steps with samples only)."""
-    out = []
-    for r in range(records.shape[0]):
-        rows = records[r, records[r, :, 0] > 0, 2]
-        out.append(float(rows.mean()) if rows.size else 0.0)
-    return out
 
 
 class ClusterAdvisor:

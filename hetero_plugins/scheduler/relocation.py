@@ -16,10 +16,9 @@ It picks the placement with the shortest predicted equal-finish step time
 (:func:`~hetero_plugins.scheduler.placement.best_placement`) and moves ranks only when the seconds saved over
 the next ``horizon_epochs`` epochs exceed ``restart_cost`` and the step time drops by at least ``min_gain``.
 The decision is framework-free; the simulator applies it (``simulate(..., relocation=True)``) and the
-integrations write it as a restart spec (:func:`write_relocation_spec`), which they read back after a restart
-(:func:`read_relocation_spec`, :func:`resume_checkpoint`). Every field of a spec is checked before it is written
-and when it is read (:func:`check_relocation_spec`): a missing spec is a fresh start, a broken one an error
-naming the file, the field and the fix, never a silent restart from scratch.
+integrations write it as a restart spec, which they read back after a restart
+(:mod:`~hetero_plugins.scheduler.restart_spec`: :func:`write_relocation_spec`, :func:`read_relocation_spec`,
+:func:`check_relocation_spec`, :func:`resume_checkpoint`, :func:`torchelastic_restarts`; re-exported here).
 
 This is the only relocation planner and the only spec format. :func:`plan_relocation`,
 :class:`RelocationPlan` and :func:`write_restart_spec` are the older entry points over one list of slots with
@@ -29,11 +28,6 @@ known solo times per device type; they are kept as thin functions over :class:`R
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import re
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +35,18 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins._files import write_atomic
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
-from hetero_plugins.cluster import check_host_name
 from hetero_plugins.scheduler.interference import InterferenceCorrection, interference_correction
 from hetero_plugins.scheduler.ncf import SOLO, InterferencePredictor
 from hetero_plugins.scheduler.placement import best_placement
+from hetero_plugins.scheduler.restart_spec import (
+    check_relocation_spec,
+    read_relocation_spec,
+    resume_checkpoint,
+    torchelastic_restarts,
+    write_relocation_spec,
+)
 
 __all__ = ["Relocation", "RelocationPlan", "Relocator", "check_relocation_spec", "plan_relocation",
            "read_relocation_spec", "resume_checkpoint", "torchelastic_restarts", "write_relocation_spec",
@@ -254,288 +253,6 @@ class Relocator:
                 new_lines[i] = (slot["intercept"], slot["slope"])
         self.relocations += 1
         return Relocation(targets, new_lines, t_cur, t_new, float(saved), len(incoming), unknown)
-
-
-def torchelastic_restarts() -> tuple[str, int, int] | None:
-    """``(run id, restart count, max restarts)`` when this process was started by torchrun, else ``None``."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run is None:
-        return None
-    return run, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-
-
-def write_relocation_spec(path: str | Path, decision: Relocation, places: Sequence[Mapping[str, Any]],
-                          free_slots: Sequence[Mapping[str, Any]], epoch: int | None = None,
-                          extra: Mapping[str, Any] | None = None) -> Path | None:
-    """Write a relocation as a JSON restart spec and warn naming the predicted gain.
-
-    The spec lists every rank's place after the move (its ``device``, ``corunner`` and, where the cluster
-    description gives them, ``host`` and ``index``; ``from`` is ``"own"`` or ``"free_slots[k]"``) with its
-    predicted time line, the moves, the predicted step times and the seconds saved over the horizon, plus
-    ``extra`` (e.g. the checkpoint of a relocation restart). The spec is checked as :func:`read_relocation_spec`
-    checks it before anything is written, and the file is replaced atomically through a temporary file of a
-    random name in its directory (a file or symlink planted at a predictable name is never written through).
-    Returns the path, or ``None`` when nobody moves.
-
-    Raises:
-        ValueError: ``decision`` has another number of ranks than ``places``, a move names no entry of
-            ``free_slots``, or the spec would not read back (e.g. a negative ``index`` in a place).
-    """
-    if not decision.moves:
-        return None
-    path = Path(path)
-    if len(decision.targets) != len(places) or len(decision.lines) != len(places):
-        raise ValueError(f"`decision` has {len(decision.targets)} ranks but `places` has {len(places)} entries. "
-                         "HINT: pass each rank's current place (the cluster view's `places`), one per rank.")
-    for r, target in enumerate(decision.targets):
-        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, np.integer))
-                                   or not 0 <= target < len(free_slots)):
-            raise ValueError(f"`decision.targets[{r}]`={target!r} names no free slot: `free_slots` has "
-                             f"{len(free_slots)} entries. HINT: pass the free slots the decision was made over.")
-    ranks = []
-    for r, target in enumerate(decision.targets):
-        place = dict(places[r]) if target is None else dict(free_slots[int(target)])
-        place.pop("data", None)
-        ranks.append({"rank": r, **place, "from": "own" if target is None else f"free_slots[{int(target)}]",
-                      "line": [float(x) for x in decision.lines[r]]})
-    spec = {"epoch": epoch, "predicted_gain": decision.predicted_gain,
-            "current_step_time_s": decision.current_step_time, "predicted_step_time_s": decision.step_time,
-            "saved_seconds": decision.saved_seconds, "ranks": ranks,
-            "moves": [{"rank": r, "to_free_slot": int(k)} for r, k in decision.moves], **dict(extra or {})}
-    check_relocation_spec(spec, f"the restart spec to write to {str(path)!r}",
-                          fix="fix the places, free slots or `extra` it is written from.")
-    write_atomic(path, json.dumps(spec, indent=2))
-    action = ("the workers restart with it now" if spec.get("checkpoint")
-              else "restart the job with that placement to apply it")
-    warnings.warn(
-        f"hetero_plugins: moving rank(s) {[r for r, _ in decision.moves]} to free slot(s) "
-        f"{[k for _, k in decision.moves]} is predicted to make steps {100 * decision.predicted_gain:.1f}% faster "
-        f"({decision.saved_seconds:.1f} s saved over the next epochs, restart included); restart spec written to "
-        f"{str(path)!r}; {action}.",
-        RuntimeWarning, stacklevel=2,
-    )
-    return path
-
-
-_FROM = re.compile(r"^free_slots\[(0|[1-9][0-9]*)\]$")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_relocation_spec(spec: Any, label: str, world_size: int | None = None,
-                          fix: str | None = None) -> dict[str, Any]:
-    """``spec`` if every field of a restart spec is well-formed, else a ``ValueError`` naming the field.
-
-    The fields :func:`write_relocation_spec` writes, each checked where present:
-
-    - ``ranks``: a non-empty list, one entry per rank: ``rank`` an int in ``[0, n)`` for ``n`` entries (and in
-      ``[0, world_size)`` when ``world_size`` is given), each rank once; a ``device`` name; ``corunner`` a name
-      or ``null``; an optional ``host`` name and accelerator ``index`` (an int ``>= 0``); ``from``, ``"own"`` or
-      ``"free_slots[k]"``; ``line``, ``[intercept, slope]`` as two finite numbers;
-    - ``moves``: ``{"rank", "to_free_slot"}`` entries, ints ``>= 0``, each naming a rank of ``ranks`` at most
-      once and agreeing with its entry's ``from``;
-    - ``epoch``: an int ``>= 0`` or ``null``; ``predicted_gain``, ``current_step_time_s``,
-      ``predicted_step_time_s``, ``saved_seconds``: finite numbers;
-    - ``checkpoint`` (then ``run_id``, a string, and ``restart_count``, an int ``>= 0``, are required) and
-      ``hosts_file``: file paths.
-
-    Other keys (an integration's ``extra``) pass unchecked.
-
-    Args:
-        spec: the parsed spec.
-        label: what the errors call it (e.g. ``"restart spec 'runs/hetero_restart.json'"``).
-        world_size: the ranks of the job reading it (``None``: not checked against a job).
-        fix: the advice closing each error (default: fix the field or delete the file to start fresh).
-    """
-    tail = fix or ("the spec is written by hetero_plugins (write_relocation_spec); restore it or delete the file "
-                   "to start from scratch.")
-
-    def bad(field_name: str, value: Any, what: str) -> ValueError:
-        return ValueError(f"{label}: field `{field_name}` is invalid: got {value!r}. HINT: {what}; {tail}")
-
-    if not isinstance(spec, dict):
-        raise ValueError(f"{label} is not a JSON object (got {type(spec).__name__}). HINT: {tail}")
-    ranks = spec.get("ranks", [])
-    if not isinstance(ranks, list) or ("ranks" in spec and not ranks):
-        raise bad("ranks", ranks, "`ranks` is a non-empty list with one entry per rank")
-    n = len(ranks)
-    limit = n if world_size is None else min(n, world_size)
-    owner = f"{n} rank(s)" if world_size is None or world_size >= n else f"a job of {world_size} rank(s)"
-    seen: dict[int, Mapping[str, Any]] = {}
-    for i, entry in enumerate(ranks):
-        where = f"ranks[{i}]"
-        if not isinstance(entry, dict):
-            raise bad(where, entry, 'each entry is {"rank", "device", "corunner", "from", "line", ...}')
-        r = entry.get("rank")
-        if not _is_int(r) or not 0 <= r < limit:
-            raise bad(f"{where}.rank", r, f"ranks are ints in [0, {limit}) for {owner}")
-        if r in seen:
-            raise bad(f"{where}.rank", r, "each rank has one entry")
-        seen[r] = entry
-        device = entry.get("device")
-        if not isinstance(device, str) or not device:
-            raise bad(f"{where}.device", device, 'name the device type, e.g. "v100"')
-        corunner = entry.get("corunner")
-        if corunner is not None and (not isinstance(corunner, str) or not corunner):
-            raise bad(f"{where}.corunner", corunner, "use null (dedicated) or the co-located job's type")
-        if entry.get("host") is not None:
-            try:
-                check_host_name(f"{where}.host", entry["host"])
-            except ValueError:
-                raise bad(f"{where}.host", entry["host"], "use the node's host name (letters, digits, '-', '_', "
-                          "'.')") from None
-        index = entry.get("index")
-        if index is not None and (not _is_int(index) or index < 0):
-            raise bad(f"{where}.index", index, "the accelerator's index on its node is an int >= 0")
-        origin = entry.get("from")
-        if origin != "own" and not (isinstance(origin, str) and _FROM.match(origin)):
-            raise bad(f"{where}.from", origin, 'use "own" or "free_slots[k]" (k an int >= 0)')
-        line = entry.get("line")
-        if not isinstance(line, list) or len(line) != 2 or not all(_is_number(x) for x in line):
-            raise bad(f"{where}.line", line, "a line is [intercept, slope], two finite numbers")
-    moves = spec.get("moves", [])
-    if not isinstance(moves, list):
-        raise bad("moves", moves, 'use a list of {"rank": r, "to_free_slot": k}')
-    moved: set[int] = set()
-    for j, move in enumerate(moves):
-        where = f"moves[{j}]"
-        if not isinstance(move, dict) or set(move) != {"rank", "to_free_slot"}:
-            raise bad(where, move, 'each move is {"rank": r, "to_free_slot": k}')
-        r, k = move["rank"], move["to_free_slot"]
-        if not _is_int(r) or r not in seen or r in moved:
-            raise bad(f"{where}.rank", r, "a move names a rank listed in `ranks` (each rank at most once)")
-        if not _is_int(k) or k < 0:
-            raise bad(f"{where}.to_free_slot", k, "a free slot's index is an int >= 0")
-        if seen[r].get("from") != f"free_slots[{k}]":
-            raise bad(f"{where}.to_free_slot", k, f"it disagrees with ranks entry of rank {r} "
-                      f"(from {seen[r].get('from')!r})")
-        moved.add(r)
-    epoch = spec.get("epoch")
-    if epoch is not None and (not _is_int(epoch) or epoch < 0):
-        raise bad("epoch", epoch, "the epoch is an int >= 0 or null")
-    for key in ("predicted_gain", "current_step_time_s", "predicted_step_time_s", "saved_seconds"):
-        if key in spec and not _is_number(spec[key]):
-            raise bad(key, spec[key], "a finite number")
-    for key in ("checkpoint", "hosts_file"):
-        if key in spec and spec[key] is not None and (not isinstance(spec[key], str) or not spec[key]):
-            raise bad(key, spec[key], "a file path")
-    if spec.get("checkpoint"):
-        if not isinstance(spec.get("run_id"), str):
-            raise bad("run_id", spec.get("run_id"), "a spec with a checkpoint names torchrun's run id (a string)")
-        if not _is_int(spec.get("restart_count")) or spec["restart_count"] < 0:
-            raise bad("restart_count", spec.get("restart_count"), "a spec with a checkpoint names torchrun's "
-                      "restart count (an int >= 0)")
-    return spec
-
-
-def read_relocation_spec(path: str | Path, world_size: int | None = None) -> dict[str, Any] | None:
-    """The restart spec at ``path``, every field checked (:func:`check_relocation_spec`); ``None`` if there is none.
-
-    A missing file is a fresh start (``None``). A file that exists but cannot be read, is empty or truncated
-    (not JSON), or holds a field of the wrong type or range raises.
-
-    Args:
-        path: the spec file.
-        world_size: the ranks of the job reading it: every ``rank`` must then lie in ``[0, world_size)``.
-
-    Raises:
-        ValueError: naming the file, the field, the value and the fix.
-    """
-    path = Path(path)
-    label = f"restart spec {str(path)!r}"
-    fresh = "delete the file to start from scratch (it is written again at the next relocation)."
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{label} exists but cannot be read ({err}). HINT: make it readable, or {fresh}") from None
-    if not text.strip():
-        raise ValueError(f"{label} is empty. HINT: a relocation was interrupted while writing it; {fresh}")
-    try:
-        spec = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError(f"{label} is nested too deeply to be a restart spec. HINT: {fresh}") from None
-    except ValueError as err:
-        raise ValueError(f"{label} is not valid JSON ({err}); it is truncated or not a restart spec. "
-                         f"HINT: {fresh}") from None
-    return check_relocation_spec(spec, label, world_size)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-#: torchrun's run id when ``--rdzv-id`` is not given (multi-node launches): the same for every run.
-_DEFAULT_RUN_ID = "none"
-
-
-def resume_checkpoint(path: str | Path = "hetero_restart.json") -> str | None:
-    """The checkpoint to resume from after a relocation restart, else ``None``.
-
-    Under torchrun, a relocation that the balancer applies saves a checkpoint, records it in the restart spec
-    with torchrun's run id and restart count, and stops the workers; torchrun starts them again. Pass this to
-    ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))`` (``spec``: the strategy's ``restart_spec``, default
-    ``<default_root_dir>/hetero_restart.json``). What it returns:
-
-    - no spec file: ``None`` (a fresh start), quietly;
-    - a spec without a ``checkpoint`` (written for a launcher to apply, e.g. under Horovod or a plain run):
-      ``None``, quietly: there is nothing to resume;
-    - a spec with a checkpoint, read in a later restart (``TORCHELASTIC_RESTART_COUNT`` above the spec's
-      ``restart_count``) of the same torchrun run (``TORCHELASTIC_RUN_ID`` equal to its ``run_id``): the
-      checkpoint; a ``ValueError`` if that file does not exist (the job would otherwise start from scratch
-      unannounced). A later restart for another reason (a crashed worker) resumes from it too: it is the last
-      checkpoint the run wrote. Under torchrun's default run id ``"none"`` (no ``--rdzv-id``), which every run
-      shares, a warning says the checkpoint may be another run's;
-    - the attempt that wrote the spec (same run, same restart count): ``None``, quietly;
-    - a *stale* spec with a checkpoint, one that cannot belong to this run: this process was not started by
-      torchrun, the spec names another run id, or a restart count above this attempt's: ``None`` (start from
-      scratch) with a ``RuntimeWarning`` naming the file and how to resume or clean up. Modification times are
-      not compared (clocks of shared file systems disagree).
-
-    Raises:
-        ValueError: the spec exists but is unreadable, empty, truncated or holds a bad field
-            (:func:`read_relocation_spec`), or it is due for resuming and its checkpoint is missing.
-    """
-    spec = read_relocation_spec(path)
-    if spec is None or not spec.get("checkpoint"):
-        return None
-    label = f"restart spec {str(path)!r}"
-    elastic = torchelastic_restarts()
-    written = f"torchrun run {spec['run_id']!r}, attempt {spec['restart_count']}"
-    stale_fix = (f"HINT: to resume, pass Trainer.fit(..., ckpt_path={spec['checkpoint']!r}) yourself; otherwise "
-                 "delete the spec to silence this.")
-    if elastic is None:
-        warnings.warn(f"hetero_plugins: {label} names checkpoint {spec['checkpoint']!r} from {written}, but this "
-                      "process was not started by torchrun: starting from scratch. " + stale_fix,
-                      RuntimeWarning, stacklevel=2)
-        return None
-    run, count, _ = elastic
-    if spec["run_id"] != run or count < spec["restart_count"]:
-        warnings.warn(f"hetero_plugins: {label} is stale: it names checkpoint {spec['checkpoint']!r} from {written}, "
-                      f"and this is run {run!r}, attempt {count}: starting from scratch. " + stale_fix,
-                      RuntimeWarning, stacklevel=2)
-        return None
-    if count == spec["restart_count"]:
-        return None  # this attempt wrote it and has not restarted yet
-    checkpoint = str(spec["checkpoint"])
-    if not Path(checkpoint).is_file():
-        raise ValueError(f"{label}: field `checkpoint` names {checkpoint!r}, which does not exist, so restart "
-                         f"{count} of torchrun run {run!r} cannot resume from it. HINT: restore the checkpoint "
-                         "(it is written beside the spec before the workers stop), or delete the spec to start "
-                         "from scratch.")
-    if run == _DEFAULT_RUN_ID:
-        warnings.warn(f"hetero_plugins: resuming from {checkpoint!r} ({label}) under torchrun's default run id "
-                      f"{run!r}, which every run launched without --rdzv-id shares: the checkpoint may be an earlier "
-                      "run's. HINT: launch torchrun with a unique --rdzv-id (e.g. the job id).",
-                      RuntimeWarning, stacklevel=2)
-    return checkpoint
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import lightning.pytorch as pl  # noqa: E402
 
 from hetero_plugins.callbacks import HeterogeneityEmulator  # noqa: E402
-from hetero_plugins.scheduler.relocation import Relocator, read_relocation_spec, resume_checkpoint  # noqa: E402
+from hetero_plugins.scheduler.relocation import Relocator  # noqa: E402
+from hetero_plugins.scheduler.restart_spec import read_relocation_spec, resume_checkpoint  # noqa: E402
 from hetero_plugins.strategies import HeteroDDPStrategy  # noqa: E402
 from tests.lightning_jobs import DigitsMLP  # noqa: E402
 
