@@ -16,11 +16,12 @@ Change points (in the spirit of the run-length test of Greyhound's Bayesian onli
 Adams & MacKay 2007): every step is compared with the model's *own* prediction at that step's batch size,
 whether or not that size was seen before. The prediction is an interval: where ``kappa`` is known it is the
 line (widened by what a few percent of noise in the levels allows ``kappa`` to be), where it is not, anything
-between the proportional and the constant extrapolation from the current level. A step more than
-``change_threshold`` outside it deviates; a deviating step is held back from the model, and when
-``change_steps`` consecutive steps deviate the same way the rank's speed has changed: the model forgets the
-old regime and restarts from those steps alone (``kappa`` kept). A shorter run (a transient stall) is then
-added with each step clipped to ``change_threshold`` outside the interval, so a stall moves the model little.
+between the proportional and the constant extrapolation from the current level. A step more than half of
+``change_threshold`` outside it deviates and is held back from the model; when ``change_steps`` consecutive
+steps deviate the same way and their median is more than ``change_threshold`` outside, the rank's speed has
+changed: the model forgets the old regime and restarts from those steps alone (``kappa`` kept). A shorter run
+(a transient stall) is then added with each step clipped to ``change_threshold`` outside the interval, so a
+stall moves the model little.
 
 :class:`TimeModelBank` holds the models of many ranks in arrays and updates them all at once (a planner for
 1024 ranks learns an epoch in a few vectorised passes per step); :class:`LinearTimeModel` is one rank's
@@ -115,9 +116,10 @@ class TimeModelBank:
         min_relative_spread: the line is fitted only when the batch sizes differ by at least this fraction.
         change_steps: consecutive steps that must deviate the same way before a speed change is declared
             (0 disables the test: every step is added, unclipped).
-        change_threshold: relative deviation from the predicted interval that counts (0.15: 15% slower, or
-            1/1.15 faster). A 1.3x slowdown is found within ``change_steps`` steps under 5% noise, and
-            noise of that size is not mistaken for one.
+        change_threshold: relative deviation from the predicted interval of the run's median step that counts
+            (0.15: 15% slower, or 1/1.15 faster; each step of the run must deviate by half of it). A 1.3x
+            slowdown is found within ``change_steps`` steps under 5% noise, and noise of that size is not
+            mistaken for one.
         groups: batch sizes remembered per rank (the lightest is replaced by a new one).
 
     Example::
@@ -155,6 +157,9 @@ class TimeModelBank:
         self._kappa = np.full(n, np.nan)  # fixed cost in samples of the last valid line
         self._klo = np.full(n, np.nan)
         self._khi = np.full(n, np.nan)
+        self._kprec = np.zeros(n)  # precision of kappa (pooled over fits)
+        self._ktick = np.zeros(n)  # observations seen when kappa was last fitted
+        self._seen = np.zeros(n)  # observations taken into the model, ever
         self._var = np.full(n, np.nan)  # recency-weighted mean squared log deviation from the level (noise)
         self._nobs = np.zeros(n, dtype=np.int64)  # observations in the current regime
         self._changes = np.zeros(n, dtype=np.int64)
@@ -212,6 +217,8 @@ class TimeModelBank:
         known = ~np.isnan(self._klo[rows])
         klo = np.where(known, self._klo[rows], 0.0)
         khi = np.where(known, self._khi[rows], np.inf)
+        if b.ndim == 2:
+            y, b_cur, w, klo, khi = y[:, None], b_cur[:, None], w[:, None], klo[:, None], khi[:, None]
         p1, p2 = _pred(y, b_cur, klo, b), _pred(y, b_cur, khi, b)
         lo, hi = np.minimum(p1, p2), np.maximum(p1, p2)
         empty = w <= 0
@@ -253,8 +260,9 @@ class TimeModelBank:
             self._commit(rows, b, t, clip=False)
             return
         lo, hi = self._band(rows, b)
+        half = 1 + tau / 2
         with np.errstate(invalid="ignore"):
-            dev = np.where(t > hi * (1 + tau), 1, np.where(t < lo / (1 + tau), -1, 0))
+            dev = np.where(t > hi * half, 1, np.where(t < lo / half, -1, 0))
         pend, sign = self._np[rows], self._ps[rows]
         flush = (pend > 0) & (dev != sign)  # the run is broken: its steps were transient
         if flush.any():
@@ -266,9 +274,21 @@ class TimeModelBank:
             self._pb[r, slot], self._pt[r, slot] = b[hold], t[hold]
             self._np[r] += 1
             self._ps[r] = dev[hold]
-            change = r[self._np[r] >= k]
-            if len(change):
-                self._restart(change)
+            full = r[self._np[r] >= k]
+            if len(full):
+                # A run of k steps each beyond the interval by half the threshold: a change when the median
+                # step is beyond it by the whole threshold; otherwise the oldest step is let go (clipped).
+                plo, phi = self._band(full, self._pb[full, :k])
+                pt = self._pt[full, :k]
+                ratio = np.where(self._ps[full][:, None] > 0, pt / phi, plo / pt)
+                change = np.median(ratio, axis=1) > 1 + tau
+                if change.any():
+                    self._restart(full[change])
+                slide = full[~change]
+                if len(slide):
+                    self._commit(slide, self._pb[slide, 0], self._pt[slide, 0], clip=True)
+                    self._pb[slide, :-1], self._pt[slide, :-1] = self._pb[slide, 1:], self._pt[slide, 1:]
+                    self._np[slide] -= 1
         if (~hold).any():
             self._commit(rows[~hold], b[~hold], t[~hold], clip=False)
 
@@ -312,6 +332,7 @@ class TimeModelBank:
         gw[gone], gy[gone], gb[gone] = 0.0, 0.0, 0.0
         self._gb[rows], self._gy[rows], self._gw[rows] = gb, gy, gw
         self._nobs[rows] += 1
+        self._seen[rows] += 1
 
     def _restart(self, rows: np.ndarray) -> None:
         """A change point on ``rows``: forget the old regime, restart from the held-back run (kappa kept)."""
@@ -333,6 +354,7 @@ class TimeModelBank:
                 self._gb[rows[i], g], self._gy[rows[i], g] = size, np.median(pt[i, sel])
                 self._gw[rows[i], g] = age_w[i, sel].sum()
         self._nobs[rows] = k
+        self._seen[rows] += k
         self._np[rows] = 0
         self._ps[rows] = 0
 
@@ -360,20 +382,38 @@ class TimeModelBank:
                 return
             r = rows[ok]
             s, a, b1, b2 = slope[ok], intercept[ok], small[ok], big[ok]
-            self._kappa[r] = a / s
-            # kappa's interval: the line's ends moved apart or together by a third of the change threshold.
-            u = self.change_threshold / 3.0
             y1, y2 = a + s * b1, a + s * b2
 
             def kap(z1: np.ndarray, z2: np.ndarray) -> np.ndarray:
                 return np.where(z2 > z1, np.maximum((z1 * b2 - z2 * b1) / (z2 - z1), 0.0), np.inf)
 
-            self._klo[r] = kap(y1 * (1 - u), y2 * (1 + u))
-            self._khi[r] = kap(y1 * (1 + u), y2 * (1 - u))
+            # This fit's kappa and its variance, from the standard errors of the two end levels (the noise
+            # over the square root of their weights); pooled with the earlier fits' by precision, the older
+            # ones forgotten like observations. A fit from a young level counts little.
+            u = self.change_threshold / 3.0
+            sd = np.sqrt(self._var[r])
+            sd = np.where(np.isfinite(sd), sd, u)
+            w1 = np.where(gb[ok] == b1[:, None], gw[ok], 0.0).max(axis=1)
+            w2 = np.where(gb[ok] == b2[:, None], gw[ok], 0.0).max(axis=1)
+            k_fit = a / s
+            var = (kap(y1 * (1 + sd / np.sqrt(w1)), y2) - k_fit) ** 2 + (kap(y1, y2 * (1 + sd / np.sqrt(w2))) - k_fit) ** 2
+            prec = 1.0 / np.maximum(var, 1e-12 * (1.0 + k_fit) ** 2)
+            prec = np.where(np.isfinite(prec), prec, 0.0)
+            lam = np.power(0.5, (self._seen[r] - self._ktick[r]) / self.half_life[r])
+            old_prec = np.where(np.isnan(self._kappa[r]), 0.0, self._kprec[r] * lam)
+            total = old_prec + prec
+            pooled = np.where(total > 0, (np.nan_to_num(self._kappa[r]) * old_prec + k_fit * prec) / np.where(
+                total > 0, total, 1.0), k_fit)
+            self._kappa[r], self._kprec[r], self._ktick[r] = pooled, total, self._seen[r]
+            # kappa's interval for the change test: the line's ends moved apart or together by a third of the
+            # change threshold.
+            z1, z2 = pooled + b1, pooled + b2
+            self._klo[r] = kap(z1 * (1 - u), z2 * (1 + u))
+            self._khi[r] = kap(z1 * (1 + u), z2 * (1 - u))
 
     # -- rows ------------------------------------------------------------------------------------------
 
-    _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_var", "_nobs", "_changes", "_pb", "_pt",
+    _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_kprec", "_ktick", "_seen", "_var", "_nobs", "_changes", "_pb", "_pt",
                    "_np", "_ps")
 
     def copy_row(self, source: TimeModelBank, src: int, dst: int) -> None:
@@ -400,6 +440,7 @@ class TimeModelBank:
                                                                          self._gw[i][used])],
             "kappa": None if np.isnan(self._kappa[i]) else float(self._kappa[i]),
             "kappa_interval": None if np.isnan(self._klo[i]) else [float(self._klo[i]), float(self._khi[i])],
+            "kappa_precision": [float(self._kprec[i]), float(self._ktick[i]), float(self._seen[i])],
             "noise": None if np.isnan(self._var[i]) else float(self._var[i]),
             "observations_in_regime": int(self._nobs[i]),
             "change_points": int(self._changes[i]),
@@ -427,6 +468,7 @@ class TimeModelBank:
         if state.get("kappa") is not None:
             self._kappa[i] = state["kappa"]
             self._klo[i], self._khi[i] = state["kappa_interval"]
+            self._kprec[i], self._ktick[i], self._seen[i] = state.get("kappa_precision", (0.0, 0.0, 0.0))
         if state.get("noise") is not None:
             self._var[i] = state["noise"]
         self._nobs[i] = int(state.get("observations_in_regime", 0))
@@ -439,7 +481,7 @@ class TimeModelBank:
         self._lines = None
 
     def _clear(self, i: int) -> None:
-        for name in ("_gb", "_gy", "_gw", "_pb", "_pt"):
+        for name in ("_gb", "_gy", "_gw", "_pb", "_pt", "_kprec", "_ktick", "_seen"):
             getattr(self, name)[i] = 0.0
         for name in ("_kappa", "_klo", "_khi", "_var"):
             getattr(self, name)[i] = np.nan
@@ -461,8 +503,8 @@ class LinearTimeModel:
         min_relative_spread: the line is fitted only when the batch sizes differ by at least this fraction.
         change_steps: a speed change is declared after this many consecutive steps deviate from the model's
             prediction the same way, at any batch size (0 disables); the model then keeps only those steps.
-        change_threshold: relative deviation from the predicted interval that counts (0.15: 15% slower, or
-            1/1.15 faster).
+        change_threshold: relative deviation of the run's median step from the predicted interval that counts
+            (0.15: 15% slower, or 1/1.15 faster; each step must deviate by half of it).
 
     Example::
 
