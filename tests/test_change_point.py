@@ -99,15 +99,14 @@ def test_the_bank_learns_like_one_model_per_rank():
     bank, chunked = TimeModelBank(n), TimeModelBank(n)
     for k in range(steps):
         bank.observe(b[:, k], t[:, k])
-    chunked.observe(b[:, :25], t[:, :25])  # the fixed cost is refitted once per call
+    chunked.observe(b[:, :25], t[:, :25])
     chunked.observe(b[:, 25:], t[:, 25:])
     for r in range(n):
         single = LinearTimeModel()
         for k in range(steps):
             single.observe(b[r, k], t[r, k])
-        assert bank.lines()[r] == single.params()
+        assert bank.lines()[r] == chunked.lines()[r] == single.params()
         assert bank.change_points[r] == chunked.change_points[r] == single.change_points
-        assert chunked.lines()[r].predict(b[r, -1]) == pytest.approx(single.predict(b[r, -1]), rel=0.05)
 
 
 def test_state_round_trip_keeps_held_back_steps_and_reads_the_old_format():

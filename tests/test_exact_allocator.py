@@ -154,7 +154,8 @@ def noise_free(spec):
     return spec
 
 
-def random_scenario(rng, events=True):
+def random_scenario(rng, events=True, noise=0.0, epochs=8, steps=6):
+    """A random cluster in the scenario JSON schema, validated by load_scenario."""
     devices = {f"d{k}": {"overhead": float(rng.uniform(0.001, 0.02)), "cost_per_sample": float(rng.uniform(1e-4, 4e-3)),
                          "memory_samples": int(rng.integers(64, 1024))} for k in range(int(rng.integers(1, 4)))}
     names = sorted(devices)
@@ -163,12 +164,12 @@ def random_scenario(rng, events=True):
               "data": float(rng.choice([0.0, 0.0, rng.uniform(0, 0.01)]))} for _ in range(n)]
     cap = sum(devices[r["device"]]["memory_samples"] for r in ranks)
     spec = {"name": "random", "devices": devices, "ranks": ranks,
-            "global_batch": int(rng.integers(n, min(cap, 64 * n) + 1)), "epochs": 8, "steps_per_epoch": 6,
-            "noise": 0.0, "seed": int(rng.integers(1000)),
+            "global_batch": int(rng.integers(n, min(cap, 64 * n) + 1)), "epochs": epochs, "steps_per_epoch": steps,
+            "noise": noise, "seed": int(rng.integers(1000)),
             "interference": {"video": {d: float(rng.uniform(1.1, 2.0)) for d in names}}, "events": []}
     if events:
         for _ in range(int(rng.integers(0, 4))):
-            e, r = int(rng.integers(1, 8)), int(rng.integers(n))
+            e, r = int(rng.integers(1, epochs)), int(rng.integers(n))
             kind = rng.integers(3)
             if kind == 0:
                 spec["events"].append({"epoch": e, "rank": r, "speed": float(rng.uniform(0.5, 2.5))})

@@ -19,7 +19,8 @@ line (widened by what a few percent of noise in the levels allows ``kappa`` to b
 between the proportional and the constant extrapolation from the current level. A step more than half of
 ``change_threshold`` outside it deviates and is held back from the model; when ``change_steps`` consecutive
 steps deviate the same way and their median is more than ``change_threshold`` outside, the rank's speed has
-changed: the model forgets the old regime and restarts from those steps alone (``kappa`` kept). A shorter run
+changed: the model forgets the old regime and restarts from those steps alone (``kappa`` kept for the
+prediction, replaced by the new regime's first line, and not relied on by the change test until then). A shorter run
 (a transient stall) is then added with each step clipped to ``change_threshold`` outside the interval, so a
 stall moves the model little.
 
@@ -158,6 +159,8 @@ class TimeModelBank:
         self._klo = np.full(n, np.nan)
         self._khi = np.full(n, np.nan)
         self._kprec = np.zeros(n)  # precision of kappa (pooled over fits)
+        self._kbmin = np.full(n, np.inf)  # batch sizes kappa was fitted on
+        self._kbmax = np.full(n, -np.inf)
         self._ktick = np.zeros(n)  # observations seen when kappa was last fitted
         self._seen = np.zeros(n)  # observations taken into the model, ever
         self._var = np.full(n, np.nan)  # recency-weighted mean squared log deviation from the level (noise)
@@ -240,7 +243,6 @@ class TimeModelBank:
                 f"`batch_sizes` and `seconds` must both have shape (ranks={len(rows_all)}, steps), got {b.shape} and "
                 f"{t.shape}. HINT: pass one row per rank."
             )
-        touched = np.zeros(self.size, dtype=bool)
         with np.errstate(invalid="ignore"):
             valid = (b > 0) & np.isfinite(t) & (t >= 0)
         for j in range(b.shape[1]):
@@ -249,9 +251,10 @@ class TimeModelBank:
                 continue
             r = rows_all[ok]
             self._step(r, b[ok, j], t[ok, j])
-            touched[r] = True
-        if touched.any():
-            self._refit(np.flatnonzero(touched))
+            # Refit where two batch sizes are solid now: an older size's level fades within a few half-lives.
+            solid = ((self._gw[r] >= max(self.min_group_weight, 1e-12)) & (self._gb[r] > 0)).sum(axis=1) >= 2
+            if solid.any():
+                self._refit(r[solid])
             self._lines = None
 
     def _step(self, rows: np.ndarray, b: np.ndarray, t: np.ndarray) -> None:
@@ -341,6 +344,15 @@ class TimeModelBank:
         counted = self._nobs[rows] >= k  # a model younger than one run was wrong from its start, not changed
         self._changes[rows[counted]] += 1
         self._gb[rows], self._gy[rows], self._gw[rows] = 0.0, 0.0, 0.0
+        # kappa stays for the prediction (a slowdown scales a fixed cost and a per-sample cost alike) when the
+        # change was found between the batch sizes it was fitted on, where its error is small; found outside,
+        # the deviation may be kappa's own error (a line fitted across a change that a plan change hid), so it
+        # goes. The new regime's first line replaces a kept kappa at once; until then the change test does not
+        # lean on it.
+        inside = np.all((pb >= self._kbmin[rows][:, None]) & (pb <= self._kbmax[rows][:, None]), axis=1)
+        self._kappa[rows[~inside]] = np.nan  # found outside the sizes kappa was fitted on: kappa may be the error
+        self._kprec[rows] = 0.0
+        self._klo[rows], self._khi[rows] = np.nan, np.nan
         lam = np.power(0.5, 1.0 / self.half_life[rows])
         age_w = np.power(lam[:, None], np.arange(k - 1, -1, -1)[None, :])
         same = np.all(pb == pb[:, :1], axis=1)
@@ -405,6 +417,9 @@ class TimeModelBank:
             pooled = np.where(total > 0, (np.nan_to_num(self._kappa[r]) * old_prec + k_fit * prec) / np.where(
                 total > 0, total, 1.0), k_fit)
             self._kappa[r], self._kprec[r], self._ktick[r] = pooled, total, self._seen[r]
+            fresh = old_prec <= 0
+            self._kbmin[r] = np.where(fresh, b1, np.minimum(self._kbmin[r], b1))
+            self._kbmax[r] = np.where(fresh, b2, np.maximum(self._kbmax[r], b2))
             # kappa's interval for the change test: the line's ends moved apart or together by a third of the
             # change threshold.
             z1, z2 = pooled + b1, pooled + b2
@@ -413,7 +428,7 @@ class TimeModelBank:
 
     # -- rows ------------------------------------------------------------------------------------------
 
-    _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_kprec", "_ktick", "_seen", "_var", "_nobs", "_changes", "_pb", "_pt",
+    _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_kprec", "_kbmin", "_kbmax", "_ktick", "_seen", "_var", "_nobs", "_changes", "_pb", "_pt",
                    "_np", "_ps")
 
     def copy_row(self, source: TimeModelBank, src: int, dst: int) -> None:
@@ -441,6 +456,7 @@ class TimeModelBank:
             "kappa": None if np.isnan(self._kappa[i]) else float(self._kappa[i]),
             "kappa_interval": None if np.isnan(self._klo[i]) else [float(self._klo[i]), float(self._khi[i])],
             "kappa_precision": [float(self._kprec[i]), float(self._ktick[i]), float(self._seen[i])],
+            "kappa_sizes": [float(self._kbmin[i]), float(self._kbmax[i])],
             "noise": None if np.isnan(self._var[i]) else float(self._var[i]),
             "observations_in_regime": int(self._nobs[i]),
             "change_points": int(self._changes[i]),
@@ -469,6 +485,7 @@ class TimeModelBank:
             self._kappa[i] = state["kappa"]
             self._klo[i], self._khi[i] = state["kappa_interval"]
             self._kprec[i], self._ktick[i], self._seen[i] = state.get("kappa_precision", (0.0, 0.0, 0.0))
+            self._kbmin[i], self._kbmax[i] = state.get("kappa_sizes", (np.inf, -np.inf))
         if state.get("noise") is not None:
             self._var[i] = state["noise"]
         self._nobs[i] = int(state.get("observations_in_regime", 0))
@@ -485,6 +502,7 @@ class TimeModelBank:
             getattr(self, name)[i] = 0.0
         for name in ("_kappa", "_klo", "_khi", "_var"):
             getattr(self, name)[i] = np.nan
+        self._kbmin[i], self._kbmax[i] = np.inf, -np.inf
         for name in ("_nobs", "_changes", "_np", "_ps"):
             getattr(self, name)[i] = 0
         self._lines = None
