@@ -152,6 +152,8 @@ class TimeModelBank:
         self.groups = check_int("groups", groups, minimum=2, hint="a line needs two batch sizes")
         n, g, k = size, self.groups, max(self.change_steps, 1)
         self.half_life = np.full(n, half_life)
+        self._lam = np.power(0.5, 1.0 / self.half_life)
+        self._forget = np.power(0.5, self.window / self.half_life)
         self._gb = np.zeros((n, g))  # batch size of each level (0: empty)
         self._gy = np.zeros((n, g))  # level: recency-weighted mean of (clipped) step seconds
         self._gw = np.zeros((n, g))  # recency weight
@@ -245,6 +247,8 @@ class TimeModelBank:
             )
         with np.errstate(invalid="ignore"):
             valid = (b > 0) & np.isfinite(t) & (t >= 0)
+        self._lam = np.power(0.5, 1.0 / self.half_life)  # per observation
+        self._forget = np.power(0.5, self.window / self.half_life)
         for j in range(b.shape[1]):
             ok = valid[:, j]
             if not ok.any():
@@ -308,34 +312,36 @@ class TimeModelBank:
             lo, hi = self._band(rows, b)
             tau = self.change_threshold
             t = np.where(np.isnan(lo), t, np.clip(t, lo / (1 + tau), hi * (1 + tau)))
-        lam = np.power(0.5, 1.0 / self.half_life[rows])
-        gw = self._gw[rows] * lam[:, None]
-        gb = self._gb[rows]
+        sel: Any = slice(None) if len(rows) == self.size else rows  # all ranks: views, no gathers
+        lam = self._lam[sel]
+        gw = self._gw[sel] * lam[:, None]
+        gb = self._gb[sel]
+        gy = self._gy[sel]
         match = (gb == b[:, None]) & (gb > 0)
         has = match.any(axis=1)
         slot = np.where(has, np.argmax(match, axis=1), np.argmin(np.where(gb > 0, gw, -1.0), axis=1))
         idx = np.arange(len(rows))
-        new = ~has
-        gy = self._gy[rows]
-        gw[idx[new], slot[new]] = 0.0
-        gy[idx[new], slot[new]] = 0.0
-        gb[idx[new], slot[new]] = b[new]
+        if not has.all():
+            new = ~has
+            gw[idx[new], slot[new]] = 0.0
+            gy[idx[new], slot[new]] = 0.0
+            gb[idx[new], slot[new]] = b[new]
         w = gw[idx, slot]
+        y = gy[idx, slot]
         seen = has & (w >= 1.0)
-        if seen.any():
-            with np.errstate(divide="ignore", invalid="ignore"):
-                r2 = np.log(t[seen] / gy[idx[seen], slot[seen]]) ** 2
-            r2 = np.where(np.isfinite(r2), r2, np.nan)
-            v = self._var[rows[seen]]
-            ls = lam[seen]
-            self._var[rows[seen]] = np.where(np.isnan(v), r2, ls * v + (1 - ls) * r2)
-        gy[idx, slot] = (w * gy[idx, slot] + t) / (w + 1.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r2 = np.log(t / y) ** 2
+        r2 = np.where(seen & np.isfinite(r2), r2, np.nan)
+        v = self._var[sel]
+        self._var[sel] = np.where(np.isnan(r2), v, np.where(np.isnan(v), r2, lam * v + (1 - lam) * r2))
+        gy[idx, slot] = (w * y + t) / (w + 1.0)
         gw[idx, slot] = w + 1.0
-        gone = gw < np.power(0.5, self.window / self.half_life[rows])[:, None]
-        gw[gone], gy[gone], gb[gone] = 0.0, 0.0, 0.0
-        self._gb[rows], self._gy[rows], self._gw[rows] = gb, gy, gw
-        self._nobs[rows] += 1
-        self._seen[rows] += 1
+        gone = gw < self._forget[sel][:, None]
+        if gone.any():
+            gw[gone], gy[gone], gb[gone] = 0.0, 0.0, 0.0
+        self._gb[sel], self._gy[sel], self._gw[sel] = gb, gy, gw
+        self._nobs[sel] += 1
+        self._seen[sel] += 1
 
     def _restart(self, rows: np.ndarray) -> None:
         """A change point on ``rows``: forget the old regime, restart from the held-back run (kappa kept)."""
@@ -353,7 +359,7 @@ class TimeModelBank:
         self._kappa[rows[~inside]] = np.nan  # found outside the sizes kappa was fitted on: kappa may be the error
         self._kprec[rows] = 0.0
         self._klo[rows], self._khi[rows] = np.nan, np.nan
-        lam = np.power(0.5, 1.0 / self.half_life[rows])
+        lam = self._lam[rows]
         age_w = np.power(lam[:, None], np.arange(k - 1, -1, -1)[None, :])
         same = np.all(pb == pb[:, :1], axis=1)
         if same.any():
