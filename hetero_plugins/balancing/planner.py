@@ -9,9 +9,10 @@ Damping, against noise and against wrong models:
 
 - a new plan replaces the current one only when its predicted step makespan is at least ``min_gain``
   (default 3%) shorter, so noise does not make plans flap (AdaptDL's speedup threshold; LBB's hysteresis);
-- a re-plan moves each rank's batch by at most a factor ``max_change_factor`` (default 4) up or down, and a
-  rank whose batch moves back the way it came has its factor square-rooted (in log terms, halved) until it
-  moves the same way twice: LB-BSP's oscillation damping ("once a part moves back the way it came, every part
+- a re-plan moves each rank's batch by at most a factor ``max_change_factor`` (default 8, more than the
+  first re-plan from an equal split needs on a CPU-GPU mix) up or down, and a rank whose batch moves back the
+  way it came by a quarter or more has its factor square-rooted (in log terms, halved) until it moves the
+  same way twice: LB-BSP's oscillation damping ("once a part moves back the way it came, every part
   moves half as far", Chen et al. SoCC'18). A single bad fit (a speed change hidden by a plan change, say)
   then costs one epoch at most a factor off, not a plan swinging between extremes.
 """
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder
+from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder, min_makespan_split
 from hetero_plugins.balancing.time_model import (
     LinearTimeModel,
     ModelList,
@@ -56,7 +57,9 @@ class BalancePlanner:
         warmup_steps: first observed steps of the run that are ignored (lazy initialisation).
         initial_plan: the plan of the first epoch; default an equal split.
         max_change_factor: a re-plan moves a rank's batch by at most this factor up or down (at least one
-            sample), square-rooted for a rank whose moves reverse; ``None``: no limit.
+            sample), square-rooted for a rank whose moves reverse; ``None``: no limit. The allocator's plan is
+            kept where it stays within the factor; ranks beyond it are clipped and the samples this frees or
+            takes are placed where the fitted lines predict the shortest step.
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
 
@@ -82,7 +85,7 @@ class BalancePlanner:
         half_life: float = 6.0,
         warmup_steps: int = 1,
         initial_plan: Sequence[int] | None = None,
-        max_change_factor: float | None = 4.0,
+        max_change_factor: float | None = 8.0,
         noise_margin: float = 1.0,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
@@ -335,12 +338,28 @@ class BalancePlanner:
         t_hi = np.minimum(hi, np.maximum(cur + 1, np.floor(cur * f))).astype(np.int64)
         return Bounds(tuple(t_lo.tolist()), tuple(t_hi.tolist()))
 
+    def _damp(self, proposal: list[int], trust: Bounds) -> list[int]:
+        """``proposal`` with every rank's batch clipped into ``trust``, the samples this adds or removes moved
+        where the fitted lines say the step is shortest (equal split of them without lines)."""
+        p = np.asarray(proposal, dtype=np.float64)
+        lo, hi = np.asarray(trust.min_batch, dtype=np.float64), np.asarray(trust.max_batch, dtype=np.float64)
+        if np.all((p >= lo) & (p <= hi)):
+            return proposal
+        q = np.clip(p, lo, hi)
+        missing = self.global_batch - int(q.sum())
+        lines = self.model_params()
+        if lines.known.all() and np.all(lines.slope > 0) and np.all(np.isfinite(lines.intercept)):
+            low, high = (q, hi) if missing >= 0 else (lo, q)
+            return min_makespan_split(lines.intercept, lines.slope, self.global_batch, low, high).tolist()
+        return largest_remainder((q + missing * q / q.sum()).tolist(), self.global_batch, trust)
+
     def _record_move(self, old: Sequence[int], new: Sequence[int]) -> None:
-        """Square-root the factor of ranks that moved back the way they came; restore it on a repeat."""
+        """Square-root the factor of ranks whose batch moved back the way it came (by a quarter or more);
+        restore it when a rank moves the same way twice."""
         if self.max_change_factor is None:
             return
         o, n = np.asarray(old, dtype=np.float64), np.asarray(new, dtype=np.float64)
-        move = np.where(np.abs(n - o) >= np.maximum(2.0, 0.05 * o), np.sign(n - o), 0).astype(np.int64)
+        move = np.where(np.abs(n - o) >= np.maximum(2.0, 0.25 * o), np.sign(n - o), 0).astype(np.int64)
         back = (move != 0) & (move == -self._last_move)
         again = (move != 0) & (move == self._last_move)
         self._factor[back] = np.sqrt(self._factor[back])
@@ -350,9 +369,8 @@ class BalancePlanner:
     def _decide(self) -> dict[str, Any]:
         bounds = self.bounds
         current = list(self.plan)
-        proposal = self.allocator.allocate(self.model_params(), self.global_batch,
-                                           self._trust_bounds(bounds, current), current=current)
-        proposal = [int(b) for b in proposal]
+        proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)
+        proposal = self._damp([int(b) for b in proposal], self._trust_bounds(bounds, current))
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
         out_of_bounds = any(not lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch))
         gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
