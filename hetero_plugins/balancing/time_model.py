@@ -457,8 +457,10 @@ class TimeModelBank:
             "format": 2,
             "half_life": float(self.half_life[i]),
             "window": self.window,
-            "levels": [[float(b), float(y), float(w)] for b, y, w in zip(self._gb[i][used], self._gy[i][used],
-                                                                         self._gw[i][used])],
+            # What was observed, per batch size: the size, the recency-weighted level of the step seconds, and
+            # its weight (earlier versions kept the raw observations under this key, as [size, seconds]).
+            "observations": [[float(b), float(y), float(w)] for b, y, w in zip(self._gb[i][used], self._gy[i][used],
+                                                                               self._gw[i][used])],
             "kappa": None if np.isnan(self._kappa[i]) else float(self._kappa[i]),
             "kappa_interval": None if np.isnan(self._klo[i]) else [float(self._klo[i]), float(self._khi[i])],
             "kappa_precision": [float(self._kprec[i]), float(self._ktick[i]), float(self._seen[i])],
@@ -474,7 +476,7 @@ class TimeModelBank:
         """Restore row ``i`` from :meth:`row_state` (or from the observation list of earlier versions)."""
         self._clear(i)
         self.half_life[i] = float(state["half_life"])
-        if "observations" in state:  # earlier format: replay the kept observations
+        if state.get("format", 1) < 2:  # earlier format: replay the kept observations
             obs = np.asarray(state["observations"], dtype=np.float64).reshape(-1, 2)
             for b, t in obs:
                 self.observe(np.array([b]), np.array([t]), rows=[i])
@@ -485,7 +487,7 @@ class TimeModelBank:
                 self._klo[i] = self._khi[i] = self._kappa[i]
             self._lines = None
             return
-        for g, (b, y, w) in enumerate(state["levels"][: self.groups]):
+        for g, (b, y, w) in enumerate(state["observations"][: self.groups]):
             self._gb[i, g], self._gy[i, g], self._gw[i, g] = b, y, w
         if state.get("kappa") is not None:
             self._kappa[i] = state["kappa"]
