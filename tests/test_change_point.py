@@ -147,3 +147,31 @@ def test_validation_names_the_option():
         LinearTimeModel(change_threshold=0)
     with pytest.raises(ValueError, match="batch_sizes` and `seconds`"):
         TimeModelBank(2).observe(np.ones((3, 2)), np.ones((3, 2)))
+
+
+def test_a_short_epoch_that_deviates_throughout_counts_for_the_next_plan():
+    # Epochs of three steps: a co-runner arriving at an epoch start leaves a run of three slow steps, one short
+    # of a change; at the epoch end the planner takes it in instead of planning the next epoch on the old speed.
+    from hetero_plugins.balancing.planner import BalancePlanner
+
+    def epoch(plan, slow):
+        rec = np.zeros((2, 3, 3))
+        for r, b in enumerate(plan):
+            rec[r, :, 0] = b
+            rec[r, :, 1] = (0.005 + 0.001 * b) * (slow if r == 1 else 1.0)
+        return rec
+
+    p = BalancePlanner(2, 128, warmup_steps=0)
+    for e in range(4):
+        p.end_epoch(e, epoch(p.plan, 1.0))
+    assert p.plan == [64, 64]
+    p.end_epoch(4, epoch(p.plan, 1.9))
+    assert p.models[1].change_points == 1
+    assert p.plan[1] < 50  # 1.9x slower: about 44 of 128
+    twenty = LinearTimeModel()
+    for _ in range(20):
+        twenty.observe(64, 0.069)
+    bank = twenty._bank
+    bank.observe(np.array([[64.0] * 20]), np.array([[0.069] * 17 + [0.2] * 3]))
+    bank.settle()  # a run of three at the end of a 20-step epoch may be a stall: it stays held back
+    assert twenty.change_points == 0 and twenty.predict(64) == pytest.approx(0.069)

@@ -367,6 +367,7 @@ class BalancePlanner:
         self._last_move = np.where(move != 0, move, self._last_move)
 
     def _decide(self) -> dict[str, Any]:
+        self._bank.settle()  # a change that began in the last few steps counts for this decision
         bounds = self.bounds
         current = list(self.plan)
         proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)

@@ -171,6 +171,7 @@ class TimeModelBank:
         self._pb = np.zeros((n, k))  # held-back deviating steps
         self._pt = np.zeros((n, k))
         self._np = np.zeros(n, dtype=np.int64)
+        self._last_steps = np.zeros(n, dtype=np.int64)  # valid steps of each rank in the last observe call
         self._ps = np.zeros(n, dtype=np.int64)  # their direction (+1 slower, -1 faster)
         self._lines: TimeModelLines | None = None
 
@@ -249,6 +250,7 @@ class TimeModelBank:
             valid = (b > 0) & np.isfinite(t) & (t >= 0)
         self._lam = np.power(0.5, 1.0 / self.half_life)  # per observation
         self._forget = np.power(0.5, self.window / self.half_life)
+        self._last_steps[rows_all] = valid.sum(axis=1)
         for j in range(b.shape[1]):
             ok = valid[:, j]
             if not ok.any():
@@ -343,11 +345,27 @@ class TimeModelBank:
         self._nobs[sel] += 1
         self._seen[sel] += 1
 
+    def settle(self, min_steps: int = 3) -> None:
+        """At a decision boundary, take a held-back run of at least ``min_steps`` steps that spans every step of
+        the last :meth:`observe` call (an epoch of fewer than ``change_steps + 1`` steps that deviated
+        throughout) as a change now, so it counts for this decision instead of the next. In longer epochs a
+        run completes (or breaks) within the epoch and nothing is settled early."""
+        rows = np.flatnonzero((self._np >= max(1, min_steps)) & (self._np >= self._last_steps))
+        if len(rows):
+            self._restart(rows)
+            self._refit(rows)
+            self._lines = None
+
+    def _held(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The held-back steps of ``rows`` (``nan`` past each row's run) and which entries hold one."""
+        valid = np.arange(self._pb.shape[1])[None, :] < self._np[rows][:, None]
+        return np.where(valid, self._pb[rows], np.nan), np.where(valid, self._pt[rows], np.nan), valid
+
     def _restart(self, rows: np.ndarray) -> None:
-        """A change point on ``rows``: forget the old regime, restart from the held-back run (kappa kept)."""
-        k = self.change_steps
-        pb, pt = self._pb[rows, :k], self._pt[rows, :k]
-        counted = self._nobs[rows] >= k  # a model younger than one run was wrong from its start, not changed
+        """A change point on ``rows``: forget the old regime, restart from the held-back run."""
+        pb, pt, valid = self._held(rows)
+        m = self._np[rows].copy()
+        counted = self._nobs[rows] >= self.change_steps  # a model younger than one run was wrong from its start
         self._changes[rows[counted]] += 1
         self._gb[rows], self._gy[rows], self._gw[rows] = 0.0, 0.0, 0.0
         # kappa stays for the prediction (a slowdown scales a fixed cost and a per-sample cost alike) when the
@@ -355,24 +373,25 @@ class TimeModelBank:
         # the deviation may be kappa's own error (a line fitted across a change that a plan change hid), so it
         # goes. The new regime's first line replaces a kept kappa at once; until then the change test does not
         # lean on it.
-        inside = np.all((pb >= self._kbmin[rows][:, None]) & (pb <= self._kbmax[rows][:, None]), axis=1)
-        self._kappa[rows[~inside]] = np.nan  # found outside the sizes kappa was fitted on: kappa may be the error
+        with np.errstate(invalid="ignore"):
+            inside = np.all(~valid | ((pb >= self._kbmin[rows][:, None]) & (pb <= self._kbmax[rows][:, None])), axis=1)
+        self._kappa[rows[~inside]] = np.nan
         self._kprec[rows] = 0.0
         self._klo[rows], self._khi[rows] = np.nan, np.nan
-        lam = self._lam[rows]
-        age_w = np.power(lam[:, None], np.arange(k - 1, -1, -1)[None, :])
-        same = np.all(pb == pb[:, :1], axis=1)
+        age = m[:, None] - 1 - np.arange(pb.shape[1])[None, :]
+        age_w = np.where(valid, np.power(self._lam[rows][:, None], np.maximum(age, 0)), 0.0)
+        same = np.all(~valid | (pb == pb[:, :1]), axis=1)
         if same.any():
             self._gb[rows[same], 0] = pb[same, 0]
-            self._gy[rows[same], 0] = np.median(pt[same], axis=1)
+            self._gy[rows[same], 0] = np.nanmedian(pt[same], axis=1)
             self._gw[rows[same], 0] = age_w[same].sum(axis=1)
         for i in np.flatnonzero(~same):  # a run across a plan change: one level per batch size
-            for g, size in enumerate(np.unique(pb[i])[-self.groups:]):
-                sel = pb[i] == size
+            for g, size in enumerate(np.unique(pb[i][valid[i]])[-self.groups:]):
+                sel = valid[i] & (pb[i] == size)
                 self._gb[rows[i], g], self._gy[rows[i], g] = size, np.median(pt[i, sel])
                 self._gw[rows[i], g] = age_w[i, sel].sum()
-        self._nobs[rows] = k
-        self._seen[rows] += k
+        self._nobs[rows] = m
+        self._seen[rows] += m
         self._np[rows] = 0
         self._ps[rows] = 0
 
@@ -435,7 +454,7 @@ class TimeModelBank:
     # -- rows ------------------------------------------------------------------------------------------
 
     _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_kprec", "_kbmin", "_kbmax", "_ktick", "_seen", "_var", "_nobs", "_changes", "_pb", "_pt",
-                   "_np", "_ps")
+                   "_np", "_ps", "_last_steps")
 
     def copy_row(self, source: TimeModelBank, src: int, dst: int) -> None:
         """Make row ``dst`` a copy of ``source``'s row ``src`` (same options required)."""
@@ -511,7 +530,7 @@ class TimeModelBank:
         for name in ("_kappa", "_klo", "_khi", "_var"):
             getattr(self, name)[i] = np.nan
         self._kbmin[i], self._kbmax[i] = np.inf, -np.inf
-        for name in ("_nobs", "_changes", "_np", "_ps"):
+        for name in ("_nobs", "_changes", "_np", "_ps", "_last_steps"):
             getattr(self, name)[i] = 0
         self._lines = None
 
