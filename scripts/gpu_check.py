@@ -323,9 +323,9 @@ def main_check(timeout: int) -> int:
     res = _collect([_run(["nvml", "--seconds", "4"], timeout)], timeout)
     rows.append(("NVML under load (epoch mean)", status(res), res.get("detail", "")))
 
+    single = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     res = _collect([_run(["train", "--strategy", "hetero_ddp", "--backend", "nccl", "--nodes", "1", "--epochs", "2",
-                          "--model", "digits"], timeout, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})],
-                   timeout)
+                          "--model", "digits"], timeout, single)], timeout)
     means = f"; epoch means {res['system'][-1]}" if res.get("system") else ""
     rows.append(("one GPU, NCCL, hetero_ddp", status(res),
                  res.get("detail") or f"epochs {[round(t, 2) for t in res.get('epoch_times', [])]} s on "

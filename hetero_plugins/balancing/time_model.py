@@ -433,7 +433,8 @@ class TimeModelBank:
             w1 = np.where(gb[ok] == b1[:, None], gw[ok], 0.0).max(axis=1)
             w2 = np.where(gb[ok] == b2[:, None], gw[ok], 0.0).max(axis=1)
             k_fit = a / s
-            var = (kap(y1 * (1 + sd / np.sqrt(w1)), y2) - k_fit) ** 2 + (kap(y1, y2 * (1 + sd / np.sqrt(w2))) - k_fit) ** 2
+            var = ((kap(y1 * (1 + sd / np.sqrt(w1)), y2) - k_fit) ** 2
+                   + (kap(y1, y2 * (1 + sd / np.sqrt(w2))) - k_fit) ** 2)
             prec = 1.0 / np.maximum(var, 1e-12 * (1.0 + k_fit) ** 2)
             prec = np.where(np.isfinite(prec), prec, 0.0)
             lam = np.power(0.5, (self._seen[r] - self._ktick[r]) / self.half_life[r])
@@ -453,8 +454,8 @@ class TimeModelBank:
 
     # -- rows ------------------------------------------------------------------------------------------
 
-    _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_kprec", "_kbmin", "_kbmax", "_ktick", "_seen", "_var", "_nobs", "_changes", "_pb", "_pt",
-                   "_np", "_ps", "_last_steps")
+    _ROW_ARRAYS = ("half_life", "_gb", "_gy", "_gw", "_kappa", "_klo", "_khi", "_kprec", "_kbmin", "_kbmax", "_ktick",
+                   "_seen", "_var", "_nobs", "_changes", "_pb", "_pt", "_np", "_ps", "_last_steps")
 
     def copy_row(self, source: TimeModelBank, src: int, dst: int) -> None:
         """Make row ``dst`` a copy of ``source``'s row ``src`` (same options required)."""
