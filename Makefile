@@ -44,3 +44,14 @@ bench-aggregation: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+.PHONY: gpu-check bench-balancing
+
+# What runs on one NVIDIA GPU (NVML, NCCL, two ranks sharing it, the memory cap, MPS), as a table; < 5 min.
+# Without a GPU it says so and exits 0 (see docs/gpu.md).
+gpu-check: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) scripts/gpu_check.py
+
+# The balancing core's decision latency at 1024 ranks and the oracle bound on the simulator.
+bench-balancing: $(STAMP)
+	$(PY) benchmarks/balancing_bench.py --out bench_output/balancing.json

@@ -7,19 +7,27 @@ no straggler (traceml#252; verified in this project's research, style.md E5). In
 gradient hook) and fall back to the end of backward where no hook fires (gradient accumulation).
 
 GPU utilisation and memory come from NVML (``pynvml``, package ``nvidia-ml-py``) where an NVIDIA driver is
-present; CPU load from ``psutil``. Nothing here fails on a machine without a GPU.
+present; CPU load from ``psutil``. Nothing here fails on a machine without a GPU. NVML's utilisation is the
+share of the last sample period (1/6 s to 1 s, by GPU) in which a kernel ran, so one reading at an epoch's
+end says little (it is often 0% while the ranks wait at a barrier or load data):
+:class:`UtilisationSampler` reads it on a light background thread and averages over the epoch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hetero_plugins._validation import check_float
+
 log = logging.getLogger(__name__)
 
-__all__ = ["StepRecord", "StepTimer", "SystemMonitor", "memory_cap"]
+__all__ = ["StepRecord", "StepTimer", "SystemMonitor", "UtilisationSampler", "memory_cap"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +159,109 @@ class SystemMonitor:
             except Exception as err:
                 log.debug("SystemMonitor: NVML read failed (%s)", err)
         return out
+
+
+class UtilisationSampler:
+    """Averages GPU utilisation and memory over an interval (an epoch) from readings on a background thread.
+
+    Every ``interval`` seconds between :meth:`start` and :meth:`stop` it takes one reading (by default
+    :meth:`SystemMonitor.read`: ``gpu_util`` %, ``gpu_mem_used`` and ``gpu_mem_total`` bytes, ``cpu_percent``,
+    ``mem_percent``); :meth:`epoch_means` returns the mean of every key over the readings since the last call,
+    the largest ``gpu_mem_used`` as ``gpu_mem_used_max``, and the number of ``samples``. Without NVML (no
+    driver, no GPU, no ``nvidia-ml-py``) and without an injected ``read``, it is a no-op: no thread starts and
+    :meth:`epoch_means` returns ``{}``.
+
+    Args:
+        gpu_index: NVML index of this rank's GPU (``None``: no GPU, a no-op unless ``read`` is given).
+        interval: seconds between readings (0.2 costs about 0.1 ms of one CPU core per second).
+        read: a function returning one reading as ``{name: value}``; replaces NVML (tests, other devices).
+
+    Example::
+
+        >>> values = iter([{"gpu_util": 30.0}, {"gpu_util": 90.0}])
+        >>> s = UtilisationSampler(read=lambda: next(values))
+        >>> s.sample(); s.sample()
+        >>> s.epoch_means()
+        {'gpu_util': 60.0, 'samples': 2}
+    """
+
+    def __init__(self, gpu_index: int | None = None, interval: float = 0.2,
+                 read: Callable[[], Mapping[str, float]] | None = None) -> None:
+        self.interval = check_float("interval", interval, minimum=0.0, strict_minimum=True,
+                                    hint="seconds between readings, e.g. 0.2")
+        if read is None and gpu_index is not None:
+            monitor = SystemMonitor(gpu_index)
+            if monitor.has_gpu:
+                read = monitor.read
+        self._read = read
+        self._lock = threading.Lock()
+        self._sums: dict[str, float] = {}
+        self._max_mem = -math.inf
+        self._count = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether readings are available (NVML opened, or a ``read`` function given)."""
+        return self._read is not None
+
+    def sample(self) -> None:
+        """Take one reading now (the thread calls this; a failed reading is skipped)."""
+        if self._read is None:
+            return
+        try:
+            reading = dict(self._read())
+        except Exception as err:  # a transient NVML error must not stop training
+            log.debug("UtilisationSampler: reading failed (%s)", err)
+            return
+        with self._lock:
+            for key, value in reading.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._sums[key] = self._sums.get(key, 0.0) + float(value)
+            if "gpu_mem_used" in reading:
+                self._max_mem = max(self._max_mem, float(reading["gpu_mem_used"]))
+            self._count += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def start(self) -> None:
+        """Start sampling on a daemon thread (no-op if inactive or already running)."""
+        if self._read is None or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="hetero-utilisation", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (the readings so far stay for :meth:`epoch_means`)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=max(1.0, 5 * self.interval))
+        self._thread = None
+        self.sample()
+
+    def epoch_means(self, reset: bool = True) -> dict[str, float]:
+        """Mean of every reading since the last call (or start), ``gpu_mem_used_max`` and ``samples``;
+        ``{}`` without readings. ``reset=False`` keeps accumulating."""
+        with self._lock:
+            if self._count == 0:
+                return {}
+            out = {k: v / self._count for k, v in self._sums.items()}
+            if self._max_mem > -math.inf:
+                out["gpu_mem_used_max"] = self._max_mem
+            out["samples"] = self._count
+            if reset:
+                self._sums, self._max_mem, self._count = {}, -math.inf, 0
+        return out
+
+    def __enter__(self) -> UtilisationSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -66,3 +66,32 @@ def test_history_and_state_round_trip():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BalancePlanner(**kwargs)
+
+
+def test_epoch_statistics_match_the_metrics_functions():
+    from hetero_plugins.metrics import idle_fraction, straggler_level
+
+    rng = np.random.default_rng(4)
+    rec = fake_epoch([40, 30, 20, 38], [1, 0.8, 0.5, 1.1], steps=7, rng=rng)
+    rec[2, 3, 0] = 0  # a rank without a batch at step 3: that step is left out
+    e = BalancePlanner(4, 128).end_epoch(0, rec, epoch_time=1.0)
+    steps = [k for k in range(7) if k != 3]
+    t = rec[:, steps, 1]
+    assert e["straggler_level"] == pytest.approx(np.median([straggler_level(t[:, k]) for k in range(6)]))
+    assert e["idle_fraction"] == pytest.approx(np.median([idle_fraction(t[:, k]) for k in range(6)]))
+    assert e["compute_time"] == pytest.approx(np.median(t, axis=1).tolist())
+    assert e["throughput"] == pytest.approx((rec[:, steps, 0].sum(1) / t.sum(1)).tolist())
+
+
+def test_models_are_views_and_a_new_list_is_copied_in():
+    from hetero_plugins.balancing.time_model import LinearTimeModel
+
+    p = BalancePlanner(3, 96)
+    p.end_epoch(0, fake_epoch(p.plan, [1.0, 0.5, 0.25]))
+    before = [m.params() for m in p.models]
+    keep = list(p.models)
+    p.models = [keep[2], LinearTimeModel(half_life=keep[0].half_life), keep[0]]  # re-ordered ranks, one new
+    assert [m.params() for m in p.models] == [before[2], None, before[0]]
+    assert p.model_params()[0] == before[2] and not p.model_params().known[1]
+    with pytest.raises(ValueError, match="3 time models"):
+        p.models = keep[:2]

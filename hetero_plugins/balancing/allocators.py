@@ -1,17 +1,18 @@
 """Allocators: split a fixed global batch into per-rank batch sizes from per-rank time models.
 
 Every allocator implements ``allocate(models, global_batch, bounds) -> list[int]``; the result always sums
-to exactly ``global_batch`` and respects each rank's ``[min, max]`` bounds (largest-remainder rounding, then
-integer refinement). The global batch never changes, so the SGD update keeps its mathematics.
+to exactly ``global_batch`` and respects each rank's ``[min, max]`` bounds. Integer plans are exact for each
+allocator's objective (:func:`min_makespan_split`, :func:`min_spread_split`), not rounded continuous shares.
+The global batch never changes, so the SGD update keeps its mathematics.
 
 - ``static``: equal split, the stock behaviour of DDP and Horovod.
 - ``proportional``: b_i proportional to measured throughput (DBS/DLB, Ye et al. 2020/2022; LB-BSP's
-  b_i = B v_i / sum v_j, Chen et al. SoCC'18).
-- ``equal_finish``: the closed form for linear time models, a_i + beta_i b_i = T for all i, with clamping
-  to bounds and re-solving for the unclamped ranks, then a makespan-optimal integer rounding.
-- ``lbb``: LBB's objective, min (max - min) of predicted times, reached by +/-1 fine-tuning from the
-  equal-finish plan, with LBB's hysteresis: a current plan whose predicted straggler level is at most
-  ``tolerance`` is kept, up to ``fine_threshold`` only +/-1 moves are made (Yao et al. 2024).
+  b_i = B v_i / sum v_j, Chen et al. SoCC'18): the shortest-step integer split for times b_i / v_i.
+- ``equal_finish``: for linear time models a_i + beta_i b_i, the integer split with the shortest predicted
+  step (the exact integer version of a_i + beta_i b_i = T for all i, with bounds).
+- ``lbb``: LBB's objective, min (max - min) of predicted times, solved exactly on a re-plan, with LBB's
+  hysteresis: a current plan whose predicted straggler level is at most ``tolerance`` is kept, up to
+  ``fine_threshold`` only +/-1 moves are made (Yao et al. 2024).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.balancing.time_model import TimeModelLines, TimeModelParams
 
 __all__ = [
     "ALLOCATORS",
@@ -38,6 +40,8 @@ __all__ = [
     "StaticAllocator",
     "get_allocator",
     "largest_remainder",
+    "min_makespan_split",
+    "min_spread_split",
     "predicted_times",
     "register_allocator",
 ]
@@ -61,6 +65,9 @@ class Bounds:
                 f"`min_batch` and `max_batch` must have one entry per rank, got {len(self.min_batch)} and "
                 f"{len(self.max_batch)}."
             )
+        ints = set(map(type, self.min_batch)) | set(map(type, self.max_batch)) == {int}
+        if ints and min(self.min_batch) >= 1 and all(map(int.__ge__, self.max_batch, self.min_batch)):
+            return  # the common case, checked without building a message per rank
         for r, (lo, hi) in enumerate(zip(self.min_batch, self.max_batch)):
             check_int(f"min_batch[{r}]", lo, minimum=1, hint="every rank needs at least one sample per step")
             check_int(f"max_batch[{r}]", hi, minimum=lo, hint=f"max_batch[{r}] must be >= min_batch[{r}]={lo}")
@@ -133,47 +140,208 @@ def largest_remainder(shares: Sequence[float], total: int, bounds: Bounds) -> li
     return [int(v) for v in out]
 
 
-def _clamped_proportional(weights: Sequence[float], total: int, bounds: Bounds) -> list[float]:
-    """Continuous shares proportional to ``weights``, clamped to bounds, summing to ``total`` (water-filling)."""
-    w = np.asarray(weights, dtype=np.float64)
-    lo = np.asarray(bounds.min_batch, dtype=np.float64)
-    hi = np.asarray(bounds.max_batch, dtype=np.float64)
-    fixed = np.full(len(w), np.nan)
-    for _ in range(len(w) + 1):
-        free = np.isnan(fixed)
-        rest = total - np.nansum(fixed)
-        x = np.where(free, w / w[free].sum() * rest if free.any() else 0.0, fixed)
-        below, above = free & (x < lo), free & (x > hi)
-        if not below.any() and not above.any():
-            return list(x)
-        fixed[below], fixed[above] = lo[below], hi[above]
-    return list(np.clip(x, lo, hi))
+def _line_arrays(models: Sequence[TimeModelParams | None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(intercept, slope)`` arrays of fitted lines, or ``None`` when a rank has no usable line (no model, or a
+    slope that is not finite and positive). A :class:`~hetero_plugins.balancing.time_model.TimeModelLines`
+    (what the planner passes) is read without building one object per rank."""
+    if isinstance(models, TimeModelLines):
+        if not models.known.all():
+            return None
+        a, s = models.intercept, models.slope
+    else:
+        if any(m is None for m in models):
+            return None
+        a = np.fromiter((m.intercept for m in models), dtype=np.float64, count=len(models))  # type: ignore[union-attr]
+        s = np.fromiter((m.slope for m in models), dtype=np.float64, count=len(models))  # type: ignore[union-attr]
+    if not (np.all(np.isfinite(s)) and np.all(s > 0) and np.all(np.isfinite(a))):
+        return None
+    return a, s
 
 
-def _refine_makespan(models: Sequence[TimeModelParams], sizes: list[int], bounds: Bounds) -> list[int]:
-    """+/-1 moves from the rank predicted slowest to the one where the extra sample costs least."""
-    sizes = list(sizes)
-    for _ in range(4 * sum(sizes)):
-        t = predicted_times(models, sizes)
-        slow = int(np.argmax(t))
-        if sizes[slow] <= bounds.min_batch[slow]:
+def _counts_up_to(a: np.ndarray, s: np.ndarray, start: np.ndarray, stop: np.ndarray, theta: float) -> np.ndarray:
+    """Per rank, how many of the times ``a + s * k``, ``k = start+1 .. stop``, are ``<= theta``.
+
+    The floor of ``(theta - a) / s`` is corrected against the very expression
+    :meth:`~hetero_plugins.balancing.time_model.TimeModelParams.predict` evaluates (IEEE arithmetic is
+    monotone in ``k``), so the count is exact for the floating-point times, not only up to rounding.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        k = np.clip(np.floor((theta - a) / s), start, stop)
+    while True:
+        over = (k > start) & (a + s * k > theta)
+        if not over.any():
             break
-        cand = [
-            (models[j].predict(sizes[j] + 1), j)
-            for j in range(len(sizes))
-            if j != slow and sizes[j] < bounds.max_batch[j]
-        ]
-        if not cand:
+        k[over] -= 1
+    while True:
+        under = (k < stop) & (a + s * (k + 1) <= theta)
+        if not under.any():
             break
-        t_new, j = min(cand)
-        new_slow = models[slow].predict(sizes[slow] - 1)
-        rest = max((t[k] for k in range(len(t)) if k not in (slow, j)), default=-math.inf)
-        if max(t_new, new_slow, rest) < t[slow] - 1e-12:
-            sizes[slow] -= 1
-            sizes[j] += 1
+        k[under] += 1
+    return k - start
+
+
+def _smallest_of_progressions(a: np.ndarray, s: np.ndarray, start: np.ndarray, stop: np.ndarray,
+                              need: int) -> np.ndarray:
+    """How many of each rank's times ``a_i + s_i k``, ``k = start_i+1 .. stop_i``, are among the ``need``
+    smallest of all ranks' times together (ties go to the lower rank index).
+
+    A bracket ``[lo, hi]`` on the ``need``-th smallest time (fewer than ``need`` times ``<= lo``, at least
+    ``need`` times ``<= hi``) shrinks by secant steps on the count (close to linear in the time) alternating
+    with halvings, until at most one time per rank lies inside; those are sorted explicitly.
+    """
+    n = len(a)
+    taken = np.zeros(n, dtype=np.float64)
+    if need <= 0:
+        return taken
+    avail = stop - start
+    has = avail > 0
+    first = a[has] + s[has] * (start[has] + 1)
+    lo_t = float(np.nextafter(first.min(), -np.inf))
+    m_lo, c_lo = taken, 0
+    hi_t = float(np.max(a[has] + s[has] * (start[has] + np.minimum(avail[has], need))))
+    m_hi = _counts_up_to(a, s, start, stop, hi_t)
+    c_hi = int(m_hi.sum())
+    inv = 1.0 / s[has]
+    # The unclamped continuous solution: sum_i (T - a_i) / s_i - start_i = need.
+    guess = float((need + np.sum((a[has] + s[has] * start[has]) * inv)) / inv.sum())
+    for it in range(400):
+        if c_hi - c_lo <= n:
+            break
+        if it % 3 == 2 or not lo_t < guess < hi_t:
+            guess = 0.5 * (lo_t + hi_t)
+        if not lo_t < guess < hi_t:
+            break  # adjacent floating-point numbers: every time inside the bracket is the same number
+        m = _counts_up_to(a, s, start, stop, guess)
+        c = int(m.sum())
+        if c >= need:
+            hi_t, m_hi, c_hi = guess, m, c
         else:
-            break
-    return sizes
+            lo_t, m_lo, c_lo = guess, m, c
+        guess = lo_t + (hi_t - lo_t) * (need - c_lo - 0.5) / (c_hi - c_lo)
+    extra = (m_hi - m_lo).astype(np.int64)
+    total = int(extra.sum())
+    idx = np.repeat(np.arange(n), extra)
+    offset = np.arange(total) - np.repeat(np.cumsum(extra) - extra, extra)
+    k = start[idx] + m_lo[idx] + offset + 1
+    values = a[idx] + s[idx] * k
+    pick = np.lexsort((idx, values))[: need - c_lo]  # stable: within a rank, smaller k first
+    return m_lo + np.bincount(idx[pick], minlength=n)
+
+
+def _check_lines(intercept: Any, slope: Any, global_batch: int, min_batch: Any, max_batch: Any
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    a = np.asarray(intercept, dtype=np.float64).ravel()
+    s = np.asarray(slope, dtype=np.float64).ravel()
+    lo = np.asarray(min_batch, dtype=np.float64).ravel()
+    hi = np.asarray(max_batch, dtype=np.float64).ravel()
+    n = len(a)
+    if not (len(s) == len(lo) == len(hi) == n) or n == 0:
+        raise ValueError(
+            f"`intercept`, `slope`, `min_batch` and `max_batch` must have one entry per rank, got lengths {len(a)}, "
+            f"{len(s)}, {len(lo)} and {len(hi)}. HINT: pass four sequences of the same non-zero length."
+        )
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(s)) and np.all(s > 0)):
+        raise ValueError(
+            f"every `slope` must be finite and > 0 and every `intercept` finite, got slope={s.tolist()} and "
+            f"intercept={a.tolist()}. HINT: an unknown or flat time line has no optimal split; keep the current plan."
+        )
+    if np.any(lo != np.floor(lo)) or np.any(hi != np.floor(hi)) or np.any(lo < 0) or np.any(hi < lo):
+        raise ValueError(
+            f"`min_batch`={lo.tolist()} and `max_batch`={hi.tolist()} must be integers with 0 <= min <= max. "
+            "HINT: pass per-rank batch-size bounds."
+        )
+    check_int("global_batch", global_batch, minimum=0)
+    if not lo.sum() <= global_batch <= hi.sum():
+        raise ValueError(
+            f"`global_batch`={global_batch} is outside [sum(min_batch), sum(max_batch)] = [{int(lo.sum())}, "
+            f"{int(hi.sum())}]. HINT: raise the per-rank maximum or lower the batch size."
+        )
+    return a, s, lo, hi
+
+
+def min_makespan_split(intercept: Any, slope: Any, global_batch: int, min_batch: Any, max_batch: Any) -> np.ndarray:
+    """The integer split with the shortest predicted step: minimises ``max_i a_i + s_i b_i`` subject to
+    ``sum_i b_i = global_batch`` and ``min_batch_i <= b_i <= max_batch_i`` (exactly, for positive slopes).
+
+    Every rank starts at its minimum; the ``d = global_batch - sum(min_batch)`` remaining samples go to the
+    ``d`` smallest of all the times ``a_i + s_i k`` for ``k = min_i+1 .. max_i`` (rank i's time with its k-th
+    sample). Each rank's times increase with k, so taking the d smallest of them all is a valid plan (a prefix
+    per rank). It is optimal: any plan adds d samples, so its makespan is at least the d-th smallest of these
+    times; and it is at least ``max_i a_i + s_i min_i`` because every rank has at least its minimum. This plan's
+    makespan is the larger of those two lower bounds. (The greedy "next sample to the rank that finishes it
+    first" rule builds the same plan, one sample at a time; here the d-th smallest time is found by bisection on
+    the makespan with secant steps, so a decision costs a few vectorised passes over the ranks.) Ties go to the
+    lower rank index.
+
+    Args:
+        intercept: per-rank fixed seconds per step ``a_i`` (finite).
+        slope: per-rank seconds per sample ``s_i`` (finite, > 0).
+        global_batch: samples to split.
+        min_batch, max_batch: per-rank inclusive bounds.
+
+    Example::
+
+        >>> min_makespan_split([0.0, 0.0], [0.001, 0.003], 400, [1, 1], [1000, 1000]).tolist()
+        [300, 100]
+    """
+    a, s, lo, hi = _check_lines(intercept, slope, global_batch, min_batch, max_batch)
+    extra = _smallest_of_progressions(a, s, lo, hi, int(global_batch - lo.sum()))
+    return (lo + extra).astype(np.int64)
+
+
+def min_spread_split(intercept: Any, slope: Any, global_batch: int, min_batch: Any, max_batch: Any,
+                     max_candidates: int = 400_000) -> np.ndarray | None:
+    """The integer split with the smallest spread ``max_i t_i - min_i t_i`` of predicted times (LBB's objective),
+    among those the shortest step; ``None`` when more than ``max_candidates`` times would have to be scanned.
+
+    With ``T*`` the shortest possible makespan (:func:`min_makespan_split`), a plan whose times all lie in
+    ``[L, U]`` exists exactly when every rank has a batch with a time in ``[L, U]``, the smallest such batches
+    sum to at most the global batch, and ``U >= T*`` (then the largest ones sum to at least it). So for each
+    candidate ``L`` (one of the times ``a_i + s_i k``) the best ``U`` is ``max(T*, max_i ceil_i(L))``, where
+    ``ceil_i(L)`` is rank i's first time at or above ``L``. The optimum's smallest time is a candidate in
+    ``[T* - S0, min(T*, min_i t_i(max_i))]`` (``S0``: the spread of the shortest-step plan, which bounds the
+    optimum's); all candidates there are sorted and scanned once with running maxima. The plan is then the
+    shortest-step split within the per-rank batches whose times lie in ``[L, U]``.
+
+    Example::
+
+        >>> min_spread_split([0.0, 0.0], [0.001, 0.003], 100, [1, 1], [100, 100]).tolist()
+        [75, 25]
+    """
+    a, s, lo, hi = _check_lines(intercept, slope, global_batch, min_batch, max_batch)
+    best = min_makespan_split(a, s, global_batch, lo, hi).astype(np.float64)
+    t = a + s * best
+    t_star, l_min = float(t.max()), float(t.min())
+    if t_star == l_min:
+        return best.astype(np.int64)
+    l_max = min(t_star, float(np.min(a + s * hi)))
+    # Per rank: first batch with a time >= l_min, last with a time <= l_max.
+    k_first = lo + _counts_up_to(a, s, lo - 1, hi, float(np.nextafter(l_min, -np.inf)))
+    k_last = lo - 1 + _counts_up_to(a, s, lo - 1, hi, l_max)
+    count = np.maximum(k_last - k_first + 1, 0).astype(np.int64)
+    total = int(count.sum())
+    if total > max_candidates:
+        return None
+    n = len(a)
+    idx = np.repeat(np.arange(n), count)
+    k = k_first[idx] + (np.arange(total) - np.repeat(np.cumsum(count) - count, count))
+    values = a[idx] + s[idx] * k
+    succ = np.where(k < hi[idx], a[idx] + s[idx] * (k + 1), np.inf)
+    order = np.argsort(values, kind="stable")
+    values, succ, idx = values[order], succ[order], idx[order]
+    below = np.searchsorted(values, values, side="left")  # times strictly below each candidate
+    first_max = float(np.max(np.where(k_first <= hi, a + s * k_first, np.inf)))
+    run_max = np.maximum.accumulate(succ)
+    ceil_max = np.maximum(first_max, np.where(below > 0, run_max[np.maximum(below - 1, 0)], -np.inf))
+    upper = np.maximum(t_star, ceil_max)
+    feasible = (k_first.sum() + below <= global_batch) & np.isfinite(upper)
+    spread = np.where(feasible, upper - values, np.inf)
+    p = int(np.lexsort((upper, spread))[0])
+    if not np.isfinite(spread[p]) or spread[p] >= t_star - l_min:
+        return best.astype(np.int64)
+    low = k_first + np.bincount(idx[: below[p]], minlength=n)
+    high = lo + _counts_up_to(a, s, lo, hi, float(upper[p]))
+    return min_makespan_split(a, s, global_batch, low, high)
 
 
 def fitted_models(models: Sequence[TimeModelParams | None]) -> list[TimeModelParams] | None:
@@ -220,7 +388,9 @@ class StaticAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        return self._equal(global_batch, bounds)
+        n = bounds.world_size
+        # The most even split within the bounds: the shortest step when every rank has the same time line.
+        return min_makespan_split(np.zeros(n), np.ones(n), global_batch, bounds.min_batch, bounds.max_batch).tolist()
 
 
 class ProportionalAllocator(Allocator):
@@ -230,12 +400,14 @@ class ProportionalAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = fitted_models(models)
-        if fitted is None:
+        lines = _line_arrays(models)
+        if lines is None:
             return self._keep_or_equal(global_batch, bounds, current)
+        a, s = lines
         ref = global_batch / bounds.world_size
-        speed = [ref / max(m.predict(ref), 1e-12) for m in fitted]
-        return largest_remainder(_clamped_proportional(speed, global_batch, bounds), global_batch, bounds)
+        per_sample = np.maximum((a + s * ref) / ref, 1e-15)  # 1 / speed: b_i proportional to speed
+        return min_makespan_split(np.zeros_like(a), per_sample, global_batch, bounds.min_batch,
+                                  bounds.max_batch).tolist()
 
 
 def equal_finish_time(fixed: Sequence[float] | np.ndarray, slope: Sequence[float] | np.ndarray, global_batch: int) -> float:
@@ -277,21 +449,25 @@ def equal_finish_continuous(models: Sequence[TimeModelParams], global_batch: int
 
 
 class EqualFinishAllocator(Allocator):
-    """Closed-form equal finishing time for linear models, clamped and re-solved, makespan-optimal rounding."""
+    """Equal finishing time for linear models: the integer split with the shortest predicted step
+    (:func:`min_makespan_split`, exact; its continuous relaxation is :func:`equal_finish_continuous`)."""
 
     name = "equal_finish"
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = fitted_models(models)
-        if fitted is None:
+        lines = _line_arrays(models)
+        if lines is None:
             return self._keep_or_equal(global_batch, bounds, current)
-        shares = equal_finish_continuous(fitted, global_batch, bounds)
-        return _refine_makespan(fitted, largest_remainder(shares, global_batch, bounds), bounds)
+        return min_makespan_split(*lines, global_batch, bounds.min_batch, bounds.max_batch).tolist()
 
 
 class LBBAllocator(Allocator):
     """LBB: minimise max - min predicted time, with fine (+/-1) and coarse (re-solve) tuning and hysteresis.
+
+    The coarse re-solve is exact (:func:`min_spread_split`: the smallest spread, among those the shortest
+    step); where that would scan too many candidate times it starts from the shortest-step split and
+    fine-tunes.
 
     Args:
         tolerance: keep the current plan while its predicted straggler level is at most this (LBB: 0.06).
@@ -311,9 +487,10 @@ class LBBAllocator(Allocator):
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = fitted_models(models)
-        if fitted is None:
+        lines = _line_arrays(models)
+        if lines is None:
             return self._keep_or_equal(global_batch, bounds, current)
+        fitted = [TimeModelParams(float(x), float(y)) for x, y in zip(*lines)]
         valid_current = current is not None and sum(current) == global_batch and len(current) == bounds.world_size
         if valid_current:
             level = self._level(predicted_times(fitted, current))  # type: ignore[arg-type]
@@ -323,7 +500,10 @@ class LBBAllocator(Allocator):
         else:
             start = None
         if start is None:
-            start = EqualFinishAllocator().allocate(fitted, global_batch, bounds)
+            exact = min_spread_split(*lines, global_batch, bounds.min_batch, bounds.max_batch)
+            if exact is not None:
+                return exact.tolist()
+            start = EqualFinishAllocator().allocate(models, global_batch, bounds)
         return self._fine_tune(fitted, start, bounds)
 
     def _fine_tune(self, models: list[TimeModelParams], sizes: list[int], bounds: Bounds) -> list[int]:

@@ -5,24 +5,36 @@ One :class:`BalancePlanner` holds a time model per rank, an allocator and the da
 them to the planner on every rank (the models stay identical everywhere, so any rank's checkpoint holds
 them all), let rank 0's decision win by broadcasting it, and apply it at the next epoch start.
 
-Damping: a new plan replaces the current one only when its predicted step makespan is at least
-``min_gain`` (default 3%) shorter, so noise does not make plans flap (AdaptDL's speedup threshold; LBB's
-hysteresis).
+Damping, against noise and against wrong models:
+
+- a new plan replaces the current one only when its predicted step makespan is at least ``min_gain``
+  (default 3%) shorter, so noise does not make plans flap (AdaptDL's speedup threshold; LBB's hysteresis);
+- a re-plan moves each rank's batch by at most a factor ``max_change_factor`` (default 8, more than the
+  first re-plan from an equal split needs on a CPU-GPU mix) up or down, and a rank whose batch moves back the
+  way it came by a quarter or more has its factor square-rooted (in log terms, halved) until it moves the
+  same way twice: LB-BSP's oscillation damping ("once a part moves back the way it came, every part
+  moves half as far", Chen et al. SoCC'18). A single bad fit (a speed change hidden by a plan change, say)
+  then costs one epoch at most a factor off, not a plan swinging between extremes.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder
-from hetero_plugins.metrics import idle_fraction, straggler_level
-from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelParams
+from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder, min_makespan_split
+from hetero_plugins.balancing.time_model import (
+    LinearTimeModel,
+    ModelList,
+    TimeModelBank,
+    TimeModelLines,
+    TimeModelParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +56,12 @@ class BalancePlanner:
         half_life: forgetting of the time models, in observed steps.
         warmup_steps: first observed steps of the run that are ignored (lazy initialisation).
         initial_plan: the plan of the first epoch; default an equal split.
+        max_change_factor: a re-plan moves a rank's batch by at most this factor up or down (at least one
+            sample), square-rooted for a rank whose moves reverse; ``None``: no limit. The allocator's plan is
+            kept where it stays within the factor; ranks beyond it are clipped and the samples this frees or
+            takes are placed where the fitted lines predict the shortest step.
+        noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
+            ``min_gain`` faster (0: compare the point predictions only).
 
     Example::
 
@@ -52,8 +70,8 @@ class BalancePlanner:
         [32, 32]
         >>> rec = np.array([[[32, 0.032, 0.0]] * 5, [[32, 0.128, 0.0]] * 5])  # rank 1 is 4x slower
         >>> entry = p.end_epoch(0, rec, epoch_time=0.64)
-        >>> p.plan
-        [51, 13]
+        >>> p.plan  # 0.052 s per step; [51, 13] would take as long
+        [52, 12]
     """
 
     def __init__(
@@ -67,6 +85,8 @@ class BalancePlanner:
         half_life: float = 6.0,
         warmup_steps: int = 1,
         initial_plan: Sequence[int] | None = None,
+        max_change_factor: float | None = 8.0,
+        noise_margin: float = 1.0,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -79,7 +99,16 @@ class BalancePlanner:
         self.max_batch_size = max_batch_size
         self.min_gain = check_float("min_gain", min_gain, minimum=0.0, maximum=1.0)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
-        self.models = [LinearTimeModel(half_life=half_life) for _ in range(world_size)]
+        if max_change_factor is not None:
+            check_float("max_change_factor", max_change_factor, minimum=1.0, strict_minimum=True,
+                        hint="e.g. 4.0 (a batch at most quadruples or quarters per re-plan), or None for no limit")
+        self.max_change_factor = max_change_factor
+        self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0,
+                                        hint="e.g. 1.0 (one standard error), or 0 to compare point predictions")
+        self._bank = TimeModelBank(world_size, half_life=half_life)
+        self._models = ModelList(self._bank)
+        self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
+        self._last_move = np.zeros(world_size, dtype=np.int64)
         self.memory_caps: list[int | None] = [None] * world_size
         self.bounds.check_feasible(global_batch)
         if initial_plan is None:
@@ -89,6 +118,24 @@ class BalancePlanner:
         self.history: list[dict[str, Any]] = []
         self._predicted_step_time: float | None = None
         self._observed_steps = 0
+
+    @property
+    def models(self) -> list[LinearTimeModel]:
+        """Each rank's time model (views of the planner's vectorised models; assigning a model to an entry,
+        or a new list to this attribute, copies the models in)."""
+        return self._models
+
+    @models.setter
+    def models(self, models: Sequence[LinearTimeModel]) -> None:
+        if len(models) != self.world_size:
+            raise ValueError(f"`models` must hold {self.world_size} time models (one per rank), got {len(models)}.")
+        bank = TimeModelBank(self.world_size, float(self._bank.half_life[0]) if self.world_size else 6.0,
+                             **self._bank.options())
+        for i, m in enumerate(models):
+            if not isinstance(m, LinearTimeModel):
+                raise ValueError(f"`models[{i}]` must be a LinearTimeModel, got {type(m).__name__}.")
+            bank.copy_row(m._bank, m._row, i)
+        self._bank, self._models = bank, ModelList(bank)
 
     @property
     def bounds(self) -> Bounds:
@@ -123,26 +170,33 @@ class BalancePlanner:
         :meth:`~hetero_plugins.balancing.time_model.LinearTimeModel.from_params`; ``batch_size`` defaults to the rank's
         current batch)."""
         size = self.plan[rank] if batch_size is None else batch_size
+        opts = {k: v for k, v in self._bank.options().items() if k != "groups"}
         self.models[rank] = LinearTimeModel.from_params(TimeModelParams(*(float(x) for x in line)), max(1, int(size)),
-                                                        half_life=self.models[rank].half_life)
+                                                        half_life=self.models[rank].half_life, **opts)
 
-    def model_params(self) -> list[Any]:
-        return [m.params() for m in self.models]
+    def model_params(self) -> TimeModelLines:
+        """Every rank's fitted line: a sequence of :class:`TimeModelParams` (``None`` where a rank has no model
+        yet) backed by arrays."""
+        return self._bank.lines()
 
-    def predict_step_time(self, plan: Sequence[int]) -> float:
+    def predict_step_time(self, plan: Sequence[int], shift: np.ndarray | float = 0.0) -> float:
         """Predicted makespan (slowest rank's compute seconds) of one step under ``plan``; nan if unknown.
 
         An allocator that predicts step times itself (``allocator.predict_makespan(models, plan)``, e.g. the
         learned ones, whose lines include co-runner changes known at the epoch boundary) is asked instead, so
         the damping gate does not veto a plan decided on what the fitted lines do not know yet.
+
+        ``shift`` scales each rank's predicted time by ``1 + shift`` (the damping gate's pessimistic
+        comparison; a scalar for an allocator's own prediction).
         """
         params = self.model_params()
-        if any(p is None for p in params):
+        if not params.known.all():
             return float("nan")
         predict = getattr(self.allocator, "predict_makespan", None)
         if predict is not None:
-            return float(predict(params, plan))
-        return max(p.predict(b) for p, b in zip(params, plan))
+            return float(predict(params, plan)) * (1.0 + float(np.max(shift)))
+        t = params.intercept + params.slope * np.asarray(plan, dtype=np.float64)
+        return float(np.max(t * (1.0 + shift)))
 
     def rates(self, plan: Sequence[int]) -> list[float | None]:
         """Each rank's predicted samples per second at its batch in ``plan`` (``None`` without a time model).
@@ -154,11 +208,12 @@ class BalancePlanner:
             >>> [round(r) for r in p.rates([4, 4])]
             [100, 25]
         """
-        out: list[float | None] = []
-        for params, b in zip(self.model_params(), plan):
-            seconds = params.predict(b) if params is not None and b > 0 else math.nan
-            out.append(b / seconds if math.isfinite(seconds) and seconds > 0 else None)
-        return out
+        lines = self.model_params()
+        b = np.asarray(plan, dtype=np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            seconds = np.where(lines.known & (b > 0), lines.intercept + lines.slope * b, np.nan)
+            rate = b / seconds
+        return [float(r) if math.isfinite(r) and s > 0 else None for r, s in zip(rate, seconds)]
 
     def plan_with_backlog(self, backlog: Sequence[float]) -> list[int]:
         """The current plan re-routed so that ranks with a backlog get fewer new samples per step.
@@ -198,10 +253,8 @@ class BalancePlanner:
         if records.ndim != 3 or records.shape[0] != self.world_size or records.shape[2] < 2:
             raise ValueError(f"`records` must have shape (world_size={self.world_size}, steps, 3), got {records.shape}.")
         skip = max(0, self.warmup_steps - self._observed_steps)
-        for r in range(self.world_size):
-            for b, t in records[r, skip:, :2]:
-                if b > 0:
-                    self.models[r].observe(b, t)
+        if records.shape[1] > skip:
+            self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
         self._observed_steps += records.shape[1]
 
     def replan(self, records: np.ndarray | None = None) -> dict[str, Any]:
@@ -218,6 +271,7 @@ class BalancePlanner:
         memory_caps: Sequence[int | None] | None = None,
         observed_steps: int = 0,
         start_plan: Sequence[int] | None = None,
+        system: Sequence[Mapping[str, float] | None] | None = None,
     ) -> dict[str, Any]:
         """Learn from an epoch, decide the next plan, and return this epoch's history entry.
 
@@ -227,6 +281,9 @@ class BalancePlanner:
             memory_caps: per-rank largest batch that fits in memory (``None`` entries: no cap).
             observed_steps: leading steps already fed through :meth:`replan` during the epoch.
             start_plan: the plan the epoch started with (default: the current plan).
+            system: per-rank means over the epoch of the system readings (``gpu_util`` %, ``gpu_mem_used``
+                bytes, ... from :meth:`~hetero_plugins.telemetry.UtilisationSampler.epoch_means`; ``None``
+                entries: not measured); stored as the history entry's ``system``.
         """
         records = np.asarray(records, dtype=np.float64)
         self.observe(records[:, observed_steps:])
@@ -235,13 +292,20 @@ class BalancePlanner:
         used = list(start_plan) if start_plan is not None else list(self.plan)
         b, t = records[:, :, 0], records[:, :, 1]
         valid = (b > 0).all(axis=0)
-        levels = [straggler_level(t[:, k]) for k in np.flatnonzero(valid)]
-        idles = [idle_fraction(t[:, k]) for k in np.flatnonzero(valid)]
-        per_rank_compute = [float(np.median(t[r, valid])) if valid.any() else float("nan") for r in range(self.world_size)]
-        per_rank_throughput = [
-            float(b[r, valid].sum() / max(t[r, valid].sum(), 1e-12)) if valid.any() else 0.0
-            for r in range(self.world_size)
-        ]
+        tv, bv = t[:, valid], b[:, valid]
+        if valid.any():
+            # Per step: LBB's straggler level (max - min) / mean and the idle fraction mean (max - t) / max
+            # (:mod:`hetero_plugins.metrics`), for all steps at once.
+            top, mean = tv.max(axis=0), tv.mean(axis=0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                levels = np.where(mean > 0, (top - tv.min(axis=0)) / mean, 0.0)
+                idles = np.where(top > 0, (top - tv).mean(axis=0) / top, 0.0)
+            per_rank_compute = np.median(tv, axis=1).tolist()
+            per_rank_throughput = (bv.sum(axis=1) / np.maximum(tv.sum(axis=1), 1e-12)).tolist()
+        else:
+            levels = idles = np.zeros(0)
+            per_rank_compute = [float("nan")] * self.world_size
+            per_rank_throughput = [0.0] * self.world_size
         steps = int(records.shape[1])
         samples = int(b.sum())
         entry: dict[str, Any] = {
@@ -249,27 +313,77 @@ class BalancePlanner:
             "batch_sizes": used,
             "throughput": per_rank_throughput,
             "compute_time": per_rank_compute,
-            "straggler_level": float(np.median(levels)) if levels else 0.0,
-            "idle_fraction": float(np.median(idles)) if idles else 0.0,
+            "straggler_level": float(np.median(levels)) if len(levels) else 0.0,
+            "idle_fraction": float(np.median(idles)) if len(idles) else 0.0,
             "predicted_epoch_time": None if self._predicted_step_time is None else self._predicted_step_time * steps,
             "measured_epoch_time": None if epoch_time is None else float(epoch_time),
             "samples": samples,
             "samples_per_s": None if not epoch_time else samples / float(epoch_time),
+            "system": None if system is None else [None if m is None else dict(m) for m in system],
         }
         entry.update(self._decide())
         self.history.append(entry)
         return entry
 
+    def _trust_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
+        """``bounds`` narrowed to within ``max_change_factor`` (per rank, damped) of the current plan."""
+        if self.max_change_factor is None:
+            return bounds
+        cur = np.asarray(current, dtype=np.float64)
+        lo, hi = np.asarray(bounds.min_batch), np.asarray(bounds.max_batch)
+        if not np.all((lo <= cur) & (cur <= hi)):
+            return bounds  # the bounds moved (a new memory cap): any plan within them
+        f = self._factor
+        t_lo = np.maximum(lo, np.minimum(cur - 1, np.ceil(cur / f))).astype(np.int64)
+        t_hi = np.minimum(hi, np.maximum(cur + 1, np.floor(cur * f))).astype(np.int64)
+        return Bounds(tuple(t_lo.tolist()), tuple(t_hi.tolist()))
+
+    def _damp(self, proposal: list[int], trust: Bounds) -> list[int]:
+        """``proposal`` with every rank's batch clipped into ``trust``, the samples this adds or removes moved
+        where the fitted lines say the step is shortest (equal split of them without lines)."""
+        p = np.asarray(proposal, dtype=np.float64)
+        lo, hi = np.asarray(trust.min_batch, dtype=np.float64), np.asarray(trust.max_batch, dtype=np.float64)
+        if np.all((p >= lo) & (p <= hi)):
+            return proposal
+        q = np.clip(p, lo, hi)
+        missing = self.global_batch - int(q.sum())
+        lines = self.model_params()
+        if lines.known.all() and np.all(lines.slope > 0) and np.all(np.isfinite(lines.intercept)):
+            low, high = (q, hi) if missing >= 0 else (lo, q)
+            return min_makespan_split(lines.intercept, lines.slope, self.global_batch, low, high).tolist()
+        return largest_remainder((q + missing * q / q.sum()).tolist(), self.global_batch, trust)
+
+    def _record_move(self, old: Sequence[int], new: Sequence[int]) -> None:
+        """Square-root the factor of ranks whose batch moved back the way it came (by a quarter or more);
+        restore it when a rank moves the same way twice."""
+        if self.max_change_factor is None:
+            return
+        o, n = np.asarray(old, dtype=np.float64), np.asarray(new, dtype=np.float64)
+        move = np.where(np.abs(n - o) >= np.maximum(2.0, 0.25 * o), np.sign(n - o), 0).astype(np.int64)
+        back = (move != 0) & (move == -self._last_move)
+        again = (move != 0) & (move == self._last_move)
+        self._factor[back] = np.sqrt(self._factor[back])
+        self._factor[again] = np.minimum(self._factor[again] ** 2, self.max_change_factor)
+        self._last_move = np.where(move != 0, move, self._last_move)
+
     def _decide(self) -> dict[str, Any]:
+        self._bank.settle()  # a change that began in the last few steps counts for this decision
         bounds = self.bounds
         current = list(self.plan)
         proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)
+        proposal = self._damp([int(b) for b in proposal], self._trust_bounds(bounds, current))
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
         out_of_bounds = any(not lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch))
         gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
-        adopt = proposal != current and (out_of_bounds or gain > self.min_gain)
+        sure = gain
+        if self.noise_margin > 0 and gain > self.min_gain:
+            se = self.noise_margin * self._bank.uncertainty()
+            lo_cur, hi_new = self.predict_step_time(current, -se), self.predict_step_time(proposal, se)
+            sure = (lo_cur - hi_new) / lo_cur if lo_cur > 0 else 0.0
+        adopt = proposal != current and (out_of_bounds or (gain > self.min_gain and sure > self.min_gain))
         if adopt:
-            log.info("BalancePlanner: new plan %s -> %s (predicted gain %.1f%%)", current, proposal, 100 * gain)
+            log.info("BalancePlanner: new plan (predicted gain %.1f%%)", 100 * gain)
+            self._record_move(current, proposal)
             self.plan = list(proposal)
         self._predicted_step_time = self.predict_step_time(self.plan)
         return {"next_batch_sizes": list(self.plan), "predicted_gain": gain, "plan_changed": adopt}
@@ -281,6 +395,8 @@ class BalancePlanner:
             "plan": list(self.plan),
             "models": [m.state_dict() for m in self.models],
             "memory_caps": list(self.memory_caps),
+            "change_factor": self._factor.tolist(),
+            "last_move": self._last_move.tolist(),
             "history": list(self.history),
             "predicted_step_time": self._predicted_step_time,
             "observed_steps": self._observed_steps,
@@ -297,6 +413,9 @@ class BalancePlanner:
         for m, s in zip(self.models, state["models"]):
             m.load_state_dict(s)
         self.memory_caps = list(state.get("memory_caps", [None] * self.world_size))
+        if "change_factor" in state:
+            self._factor = np.asarray(state["change_factor"], dtype=np.float64)
+            self._last_move = np.asarray(state["last_move"], dtype=np.int64)
         self.history = list(state["history"])
         self._predicted_step_time = state.get("predicted_step_time")
         self._observed_steps = int(state.get("observed_steps", self.warmup_steps))
