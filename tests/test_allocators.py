@@ -108,7 +108,8 @@ def test_bad_allocator_and_bounds():
         Bounds((1, 5), (4, 4))
 
 
-@pytest.mark.parametrize("module", ["hetero_plugins.balancing.allocators", "hetero_plugins.balancing.planner", "hetero_plugins.balancing.time_model"])
+@pytest.mark.parametrize("module", ["hetero_plugins.balancing.allocators", "hetero_plugins.balancing.planner",
+                                    "hetero_plugins.balancing.time_model", "hetero_plugins.balancing.time_bank"])
 def test_docstring_examples(module):
     import doctest
     import importlib
