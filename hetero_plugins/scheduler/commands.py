@@ -64,7 +64,8 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     best = max([a for a in analytic if a != "static"] or ["static"], key=lambda a: runs[a]["steady_samples_per_s"])
 
     def tp(r: dict[str, Any]) -> dict[str, float]:
-        return {"samples_per_s": r["samples_per_s"], "steady_samples_per_s": r["steady_samples_per_s"]}
+        return {"samples_per_s": r["samples_per_s"], "steady_samples_per_s": r["steady_samples_per_s"],
+                "busy_fraction": r["steady_busy_fraction"]}
 
     pol = runs["policy"]
     out: dict[str, Any] = {
@@ -144,11 +145,12 @@ def _print_comparison(sc: Any, policy: str, out: dict[str, Any]) -> None:
     t = out["throughput"]
     print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {out['epochs']} epochs, "
           f"policy {policy}")
-    print("| run | samples/s (all epochs) | samples/s (after epoch 0) |")
-    print("|---|---|---|")
+    print("| run | samples/s (all epochs) | samples/s (after epoch 0) | busy (after epoch 0) |")
+    print("|---|---|---|---|")
     for label, key in (("policy " + policy, "policy"), ("oracle", "oracle"), ("equal split", "equal_split"),
                        (f"best analytic ({t['best_analytic']['allocator']})", "best_analytic")):
-        print(f"| {label} | {t[key]['samples_per_s']:.0f} | {t[key]['steady_samples_per_s']:.0f} |")
+        print(f"| {label} | {t[key]['samples_per_s']:.0f} | {t[key]['steady_samples_per_s']:.0f} | "
+              f"{100 * t[key]['busy_fraction']:.1f}% |")
     r = out["ratios_steady"]
     for m in out["relocations"]:
         print(f"relocation before epoch {m['epoch']}: (rank, place) {m['moves']}, predicted "
@@ -174,18 +176,20 @@ def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
     table = {"scenario": sc.name, "world_size": sc.world_size, "global_batch": sc.global_batch,
              "epochs": next(iter(results.values()))["epochs"], "results": {
                  k: {f: v[f] for f in ("total_time", "samples_per_s", "steady_samples_per_s", "time_vs_equal_finish",
-                                      "final_plan", "decision_ms", "epoch_times", "straggler_level")
+                                      "final_plan", "decision_ms", "epoch_times", "straggler_level",
+                                      "steady_busy_fraction")
                      + (("last_choice",) if "last_choice" in v else ())}
                  for k, v in results.items()}}
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
     print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {table['epochs']} epochs")
-    print("| allocator | simulated time (s) | samples/s | vs equal_finish | planner ms/epoch |")
-    print("|---|---|---|---|---|")
+    print("| allocator | simulated time (s) | samples/s | vs equal_finish | busy (after epoch 0) | planner ms/epoch |")
+    print("|---|---|---|---|---|---|")
     for k, v in table["results"].items():
         rel = "-" if v["time_vs_equal_finish"] is None else f"{v['time_vs_equal_finish']:.3f}"
-        print(f"| {k} | {v['total_time']:.3f} | {v['samples_per_s']:.0f} | {rel} | {v['decision_ms']:.1f} |")
+        print(f"| {k} | {v['total_time']:.3f} | {v['samples_per_s']:.0f} | {rel} | "
+              f"{100 * v['steady_busy_fraction']:.1f}% | {v['decision_ms']:.1f} |")
     return 0
 
 

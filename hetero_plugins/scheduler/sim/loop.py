@@ -59,7 +59,9 @@ def simulate(
 
     Returns:
         dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
-        (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``world_sizes``, ``restarts``,
+        (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``busy_fraction`` per epoch (seconds of
+        computation over ranks x seconds: the simulated accelerators' utilisation) and ``steady_busy_fraction``
+        (after the first epoch), ``world_sizes``, ``restarts``,
         ``relocations`` (per relocation: epoch and moves), ``placements`` (each rank's place per epoch) and
         ``decision_ms`` (mean wall time of one planning call).
     """
@@ -97,6 +99,7 @@ class _Loop:
         self.epoch_times: list[float] = []
         self.plans: list[list[int]] = []
         self.levels: list[float] = []
+        self.busy: list[float] = []
         self.decide: list[float] = []
         self.worlds: list[int] = []
         self.placements: list[list[int]] = []
@@ -145,6 +148,7 @@ class _Loop:
         records = np.zeros((len(act), sc.steps_per_epoch, 3))
         total, self.pending_cost = self.pending_cost, 0.0
         planv = np.asarray(plan, dtype=np.float64)
+        busy = 0.0
         for s in range(sc.steps_per_epoch):
             compute = (a_p[here] + b_p[here] * planv) * sim.place_noise(e, s)[here]
             data = d_p[here]
@@ -152,7 +156,9 @@ class _Loop:
             records[:, s, 1] = compute
             records[:, s, 2] = data
             total += float(np.max(compute + data)) + comm
+            busy += float(compute.sum())
         self.epoch_times.append(total)
+        self.busy.append(busy / (len(act) * total) if total > 0 else 0.0)
         self.levels.append(straggler_level(records[:, :, 1].mean(axis=1) + records[:, :, 2].mean(axis=1)))
         return total, records, d_p
 
@@ -273,9 +279,19 @@ class _Loop:
             "total_time": float(sum(epoch_times)),
             "samples_per_s": samples / float(sum(epoch_times)),
             "straggler_level": self.levels,
+            "busy_fraction": self.busy,
+            "steady_busy_fraction": _steady_busy(epoch_times, self.busy),
             "plans": self.plans,
             "decision_ms": 1000.0 * float(np.mean(self.decide)),
         }
+
+
+def _steady_busy(epoch_times: Sequence[float], busy: Sequence[float]) -> float:
+    """The accelerators' busy fraction after the first epoch: seconds of computation over ranks x seconds, the
+    simulator's counterpart of the GPU utilisation that NVML measures (LBB reports it beside throughput)."""
+    t = np.asarray(epoch_times[1:] or epoch_times, dtype=np.float64)
+    b = np.asarray(busy[1:] or busy, dtype=np.float64)
+    return float((t * b).sum() / t.sum()) if t.sum() > 0 else 0.0
 
 
 def _steady(sc: Scenario, epoch_times: Sequence[float]) -> float:
@@ -292,13 +308,13 @@ def oracle(
 ) -> dict[str, Any]:
     """The oracle: every epoch, the best placement (over the ranks' own and the free slots) and the
     equal-finish split on the *true* times (data time included, memory caps respected), run under the same
-    noise as :func:`simulate`. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans`` and
-    ``placements`` (slot descriptions per epoch)."""
+    noise as :func:`simulate`. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans``,
+    ``placements`` (slot descriptions per epoch) and the busy fractions as :func:`simulate` does."""
     sim = ClusterSim(scenario, seed=seed)
     sc = sim.scenario
     epochs = sc.epochs if epochs is None else int(epochs)
     ef = EqualFinishAllocator()
-    times, plans, placements = [], [], []
+    times, plans, placements, busy = [], [], [], []
     for e in range(epochs):
         slots = sim.slots(e)
         n = len(sim.active(e))
@@ -311,9 +327,10 @@ def oracle(
         beta = np.array([x["slope"] for x in chosen])
         data = np.array([x["data"] for x in chosen])
         comm = sim.allreduce_time(n)
-        total = sum(float(np.max((a + beta * plan) * sim.slot_noise(e, s, chosen) + data)) + comm
-                    for s in range(sc.steps_per_epoch))
+        compute = [(a + beta * plan) * sim.slot_noise(e, s, chosen) for s in range(sc.steps_per_epoch)]
+        total = sum(float(np.max(c + data)) + comm for c in compute)
         times.append(total)
+        busy.append(float(sum(c.sum() for c in compute)) / (n * total) if total > 0 else 0.0)
         plans.append([int(b) for b in plan])
         placements.append([{"device": x["device"], "corunner": x["corunner"], "rank": x["rank"],
                             "free_slot": x.get("free_slot")} for x in chosen])
@@ -321,7 +338,7 @@ def oracle(
     return {"scenario": sc.name, "allocator": "oracle", "epochs": epochs, "epoch_times": times,
             "steady_samples_per_s": _steady(sc, times),
             "total_time": float(sum(times)), "samples_per_s": samples / float(sum(times)), "plans": plans,
-            "placements": placements}
+            "placements": placements, "busy_fraction": busy, "steady_busy_fraction": _steady_busy(times, busy)}
 
 
 def decision_problems(
