@@ -52,7 +52,7 @@ from hetero_plugins.callbacks._relocation import (
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.cluster import resolve_cluster_source
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
-from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
+from hetero_plugins.telemetry import StepTimer, SystemMonitor, UtilisationSampler, memory_cap
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class BatchBalancer(Callback):
         plan_history: one dict per epoch: ``epoch``, ``batch_sizes``, ``throughput`` (per rank, samples/s of
             compute), ``straggler_level``, ``idle_fraction``, ``predicted_epoch_time``,
             ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``, and per rank ``cpu_percent``,
-            ``gpu_util`` and ``gpu_mem_used`` (``None`` where there is no GPU).
+            ``gpu_util`` and ``gpu_mem_used`` (means over the epoch from NVML readings; ``None`` where there is no GPU).
 
     Example::
 
@@ -117,6 +117,7 @@ class BatchBalancer(Callback):
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
         self._system: SystemMonitor | None = None
+        self._sampler: UtilisationSampler | None = None
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -244,6 +245,7 @@ class BatchBalancer(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         planner = self.ensure_planner(trainer)
+        self._utilisation(trainer).start()
         if self._resumed_relocation is not None and planner is not None:
             adopt_relocation(trainer, self._coordinate(trainer), self._resumed_relocation)
             self._resumed_relocation = None
@@ -324,7 +326,7 @@ class BatchBalancer(Callback):
         self._cursor = 0
         elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
         cap = self._local_memory_cap(trainer)
-        stats = self._monitor(trainer).read()
+        stats = self._epoch_stats(trainer)
         max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else 1 << 20
         coordinator = self._coordinate(trainer)
         entry = coordinator.end_epoch(
@@ -341,6 +343,8 @@ class BatchBalancer(Callback):
             entry[key] = [None if v < 0 else float(v) for v in coordinator.extras[:, col]]
         if self.options.log_metrics:
             metrics = {f"hetero/batch_size/rank_{r}": float(b) for r, b in enumerate(entry["batch_sizes"])}
+            for key in ("gpu_util", "cpu_percent"):
+                metrics.update({f"hetero/{key}/rank_{r}": v for r, v in enumerate(entry[key]) if v is not None})
             metrics["hetero/straggler_level"] = float(entry["straggler_level"])
             metrics["hetero/idle_fraction"] = float(entry["idle_fraction"])
             if entry["samples_per_s"] is not None:
@@ -374,6 +378,24 @@ class BatchBalancer(Callback):
             return int(extract_batch_size(batch))
         except Exception:
             return 0
+
+    def _utilisation(self, trainer: pl.Trainer) -> UtilisationSampler:
+        """Epoch means of GPU utilisation and memory from NVML readings on a light thread (a no-op without a GPU)."""
+        if self._sampler is None:
+            device = trainer.strategy.root_device
+            self._sampler = UtilisationSampler(device.index if device.type == "cuda" else None)
+        return self._sampler
+
+    def _epoch_stats(self, trainer: pl.Trainer) -> dict[str, float]:
+        """This rank's readings for the epoch's history entry: GPU utilisation and memory averaged over the epoch
+        where NVML reads them (a single reading at the epoch end says little: the GPU idles while ranks
+        synchronise), CPU load since the last reading."""
+        sampler = self._utilisation(trainer)
+        sampler.stop()
+        stats = dict(self._monitor(trainer).read())
+        means = sampler.epoch_means()
+        stats.update({k: means[k] for k in ("gpu_util", "gpu_mem_used") if k in means})
+        return stats
 
     def _monitor(self, trainer: pl.Trainer) -> SystemMonitor:
         if self._system is None:
