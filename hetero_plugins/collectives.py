@@ -584,7 +584,8 @@ class TorchCollectives:
 
     def failure(self, operation: str, err: BaseException | None = None) -> CollectiveError:
         """The :class:`CollectiveError` for ``operation`` that failed with ``err`` (the transport's error)."""
-        timed_out = err is None or isinstance(err, TimeoutError) or "timeout" in str(err).lower().replace("timed out", "timeout")
+        text = "" if err is None else str(err).lower()
+        timed_out = err is None or isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text
         return CollectiveError(self.rank(), operation, self.unresponsive(),
                                timeout=self.timeout if timed_out else None,
                                cause=None if err is None else str(err))

@@ -122,7 +122,8 @@ class AggregationMixin(_StrategyHost):
                              lambda: super(AggregationMixin, self).backward(closure_loss, *args, **kwargs))
 
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._guarded("the strategy's reduce", lambda: super(AggregationMixin, self).reduce(tensor, *args, **kwargs))
+        return self._guarded("the strategy's reduce",
+                             lambda: super(AggregationMixin, self).reduce(tensor, *args, **kwargs))
 
     def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         return self._guarded("the strategy's all_gather",

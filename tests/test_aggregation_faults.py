@@ -1,9 +1,11 @@
 """Faults under HeteroDDPStrategy: a rank that freezes, and a foreign client that writes to the claim store.
 
 - A rank stops (``SIGSTOP``) mid-epoch: the other rank must end within the strategy's ``timeout`` (plus start-up
-  slack) with an error naming the frozen rank and the operation it gave up on, whatever the aggregation mode
-  (``wbsp`` waits on the claim store, the others on a collective). Both ranks are real processes launched the
-  way Lightning's manual launch expects (``LOCAL_RANK`` ...), so the test knows, stops and kills each of them.
+  slack) with an error naming the frozen rank and the operation it gave up on (``wbsp`` waits on the claim
+  store, ``weighted`` in DDP's gradient all-reduce). Both ranks are real processes launched the way Lightning's
+  manual launch expects (``LOCAL_RANK`` ...), so the test knows, stops and kills each of them. With three ranks
+  (``TorchCollectives`` alone), the survivors name the frozen one from the heartbeats, or rank 0 when the store
+  it serves stops answering.
 - A client outside the job that reaches the claim store must not make a ``wbsp`` step lose or repeat samples
   silently: claims written under the old, predictable key scheme change nothing (every sample is still
   processed exactly once per epoch), and claims written under the job's own keys (read from ``list_keys``)
@@ -55,7 +57,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("mode", ["wbsp", "weighted", "pseudo_sync"])
+@pytest.mark.parametrize("mode", ["wbsp", "weighted"])
 def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(tmp_path, mode):
     port = _free_port()
     procs = []
@@ -84,6 +86,35 @@ def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(tmp_path, mode):
     assert message is not None, out[-6000:]
     assert "rank 1 gave up on" in message and "rank 0 did not answer" in message, message
     assert re.search(r"add\(|all_reduce|all-reduce|broadcast|all_gather|barrier|reduce", message), message
+
+
+@pytest.mark.parametrize("frozen", [2, 0])
+def test_among_three_ranks_the_survivors_name_the_frozen_one(tmp_path, frozen):
+    timeout, port = 5.0, _free_port()
+    script = Path(__file__).resolve().parent / "scripts" / "frozen_collective.py"
+    procs = [subprocess.Popen(
+        [sys.executable, str(script), "--timeout", str(timeout), "--freeze-rank", str(frozen), "--out", str(tmp_path)],
+        env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3", RANK=str(r),
+                 OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(3)]
+    try:
+        for r, proc in enumerate(procs):
+            if r == frozen:
+                continue
+            try:
+                out, _ = proc.communicate(timeout=timeout + 90)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {r} still ran {timeout + 90:g} s after the start with rank {frozen} frozen")
+            after = time.time() - float((tmp_path / "frozen").read_text())
+            print(f"\n3 ranks, rank {frozen} frozen: rank {r} ended {after:.1f} s after the freeze "
+                  f"(timeout {timeout:g} s)")
+            assert proc.returncode != 0 and after < timeout + 60
+            message = next((ln for ln in out.splitlines() if "CollectiveError: " in ln), "")
+            assert f"rank {r} gave up on all_reduce 'hetero_plugins.test'" in message, out[-4000:]
+            assert f"rank {frozen} did not answer" in message, message
+    finally:
+        for proc in procs:
+            _kill(proc)
 
 
 # ------------------------------------------------------------------------------------------ a foreign client

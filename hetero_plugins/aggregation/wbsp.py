@@ -345,7 +345,8 @@ class WBSPAggregator(SampleWeightedAggregator):
         if done != ctx.planned:  # every unit is claimed exactly once, so only a foreign claim changes the sum
             raise ClaimError(
                 f"aggregation='wbsp' step {ctx.step}: the ranks processed {done} samples ({self.last_counts}) of the "
-                f"{ctx.planned} planned ({list(ctx.counts)}), so some were {'skipped' if done < ctx.planned else 'repeated'}; "
+                f"{ctx.planned} planned ({list(ctx.counts)}), so some were "
+                f"{'skipped' if done < ctx.planned else 'repeated'}; "
                 f"the job's own claims hand out each micro-batch exactly once. {_TAMPERED}"
             )
         return out

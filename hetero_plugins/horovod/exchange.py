@@ -135,7 +135,8 @@ class HorovodExchange:
         timeout = self.timeout if err is None else None
         cause = None if err is None else str(err)
         internal = _internal_error_type()
-        if internal is not None and (isinstance(err, internal) or (err is None and os.environ.get("HOROVOD_ELASTIC") == "1")):
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if internal is not None and (isinstance(err, internal) or (err is None and elastic)):
             return _HorovodCollectiveError(rank, operation, suspects, timeout=timeout, cause=cause)
         return CollectiveError(rank, operation, suspects, timeout=timeout, cause=cause)
 

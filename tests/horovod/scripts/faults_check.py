@@ -49,8 +49,9 @@ def freeze(out: str, mode: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     sampler = hh.HeteroBatchSampler(len(data), batch_size=8, seed=0)
     loader = DataLoader(data, batch_sampler=sampler)
-    opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
-                                  batch_sampler=sampler, aggregation=mode, dataset=data)
+    opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), batch_sampler=sampler,
+                                  aggregation=mode, dataset=data)
     for epoch in range(2):
         sampler.set_epoch(epoch)
         for step, batch in enumerate(loader):
