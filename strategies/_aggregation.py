@@ -17,6 +17,10 @@ buffer broadcast runs a collective that ranks could reach a different number of 
   step (clipping and ``on_before_optimizer_step`` included) unless the exchange says to skip it, and
   ``aggregator.after_step()``.
 - ``on_train_end`` applies what ``aggregator.flush()`` leaves (``pseudo_sync``'s last gradient).
+
+In every mode, a collective of the strategy (the DDP gradient all-reduce of the backward pass, ``reduce``,
+``all_gather``, ``broadcast``, ``barrier``) that fails because a rank froze or died raises
+:class:`~hetero_plugins.collectives.CollectiveError`, naming the operation and the rank that did not answer.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradie
 from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
-from hetero_plugins.collectives import Collectives
+from hetero_plugins.collectives import CollectiveError, Collectives, is_transport_failure
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,12 +83,58 @@ class AggregationMixin(_StrategyHost):
         self.micro_batch_samples = None
         self._step_ctx: StepContext | None = None
         self._stash: Tensor | None = None
+        self._transport: Collectives | None = None
         if self.aggregation.explicit_sync:
             self.balancer.attach_weighting(_ExplicitWeights())
 
     def _collectives(self) -> Collectives:
         """The transport of the engine's exchanges (the strategy implements it)."""
         raise NotImplementedError
+
+    def _comm(self) -> Collectives:
+        """The strategy's transport, made once."""
+        if getattr(self, "_transport", None) is None:
+            self._transport = self._collectives()
+        return self._transport  # type: ignore[return-value]
+
+    def _guarded(self, operation: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``; a transport failure in it becomes a :class:`CollectiveError` naming ``operation`` and the
+        rank that did not answer."""
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except RuntimeError as err:
+            if not is_transport_failure(err):
+                raise
+            failure = getattr(self._comm(), "failure", None)
+            if failure is None:
+                raise
+            raise failure(operation, err) from err
+
+    # ------------------------------------------------------------------ the strategy's collectives, bounded
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if getattr(self, "aggregator", None) is not None:  # the explicit modes: no collective in backward
+            return super().backward(closure_loss, *args, **kwargs)  # type: ignore[misc]
+        module = self.lightning_module
+        step = module.trainer.global_step if module is not None and module._trainer is not None else "?"
+        return self._guarded(f"the gradient all-reduce of DDP's backward pass (global step {step})",
+                             lambda: super(AggregationMixin, self).backward(closure_loss, *args, **kwargs))
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded("the strategy's reduce",
+                             lambda: super(AggregationMixin, self).reduce(tensor, *args, **kwargs))
+
+    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._guarded("the strategy's all_gather",
+                             lambda: super(AggregationMixin, self).all_gather(tensor, *args, **kwargs))
+
+    def broadcast(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded("the strategy's broadcast",
+                             lambda: super(AggregationMixin, self).broadcast(obj, *args, **kwargs))
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._guarded("the strategy's barrier", lambda: super(AggregationMixin, self).barrier(*args, **kwargs))
 
     # ------------------------------------------------------------------ what the run reports
     @property
@@ -111,8 +161,13 @@ class AggregationMixin(_StrategyHost):
 
     # ------------------------------------------------------------------ set-up
     def _setup_aggregation(self, trainer: pl.Trainer) -> None:
-        """Check the run against the mode and build its aggregator (after the optimizers exist; collective)."""
+        """Check the run against the mode and build its aggregator (after the optimizers exist; collective).
+
+        In every mode, start this rank's heartbeat where the transport keeps one (it names a frozen rank)."""
         mode = self.aggregation
+        start_liveness = getattr(self._comm(), "start_liveness", None)
+        if start_liveness is not None:
+            start_liveness()
         if not mode.explicit_sync:
             return
         module = self.lightning_module
@@ -123,7 +178,7 @@ class AggregationMixin(_StrategyHost):
                 "automatic_optimization=False. HINT: use aggregation='weighted' with manual optimization."
             )
         mode.check_accumulation("accumulate_grad_batches", trainer.accumulate_grad_batches)
-        aggregator = make_aggregator(mode, self._collectives(), module.parameters(),
+        aggregator = make_aggregator(mode, self._comm(), module.parameters(),
                                      buffers=list(module.parameters()) + list(module.buffers()))
         aggregator.setup(self.optimizers)
         if self.aggregator is not None:

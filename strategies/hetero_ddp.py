@@ -138,10 +138,11 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         return self._aggregated_optimizer_step(optimizer, closure, model, kwargs, super().optimizer_step)
 
     def _collectives(self) -> TorchCollectives:
-        """The explicit aggregation modes exchange over the default process group; a ``wbsp`` claim store is
-        served on the launcher's main address."""
+        """The explicit aggregation modes exchange over the default process group, bounded by ``timeout``; a
+        ``wbsp`` claim store lives in the job's rendezvous store."""
         env = self.cluster_environment
-        return TorchCollectives(self.root_device, env.main_address if env is not None else None)
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        return TorchCollectives(self.root_device, env.main_address if env is not None else None, timeout=timeout)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

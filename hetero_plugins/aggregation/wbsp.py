@@ -9,10 +9,16 @@ overdue, so no unit is stranded. Every unit is claimed exactly once, so the step
 planned ones and the update is exact DDP maths.
 
 - :class:`StepClaims` claims micro-batches of any rank's share exactly once through a key-value store's atomic
-  ``add`` (a ``torch.distributed.TCPStore`` served by rank 0: :func:`open_claim_store`);
+  ``add`` (:func:`open_claim_store`: the job's rendezvous store, or one rank 0 serves on the job's address; keys
+  under a per-job secret; every operation bounded in time);
 - :class:`ClaimKeys` deletes the keys of steps every rank is past;
 - :func:`wbsp_micro_batches` yields a rank's micro-batches of a step (no collective: the store coordinates);
 - :class:`WBSPAggregator` is the mode's engine.
+
+The store is shared with whoever can reach its port, so the claims are checked against the step's plan: a
+counter no rank of the job can produce (below zero, more ranks done than there are) raises
+:class:`ClaimError` at once, and after the exchange every rank checks that the step processed exactly its
+planned samples, so a claim made from outside the job cannot drop or repeat samples silently.
 """
 
 from __future__ import annotations
@@ -26,12 +32,20 @@ from typing import Any
 
 from hetero_plugins.aggregation.base import SampleWeightedAggregator, StepContext
 from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, take_rows, unit_indices
-from hetero_plugins.collectives import Collectives, open_tcp_store
+from hetero_plugins.collectives import Collectives, open_store
 
-__all__ = ["ClaimKeys", "StepClaims", "WBSPAggregator", "open_claim_store", "wbsp_micro_batches"]
+__all__ = ["ClaimError", "ClaimKeys", "StepClaims", "WBSPAggregator", "open_claim_store", "wbsp_micro_batches"]
 
 #: Every claim key starts with this, followed by the step's number in the aggregator's life (``/{n}``).
 CLAIM_NAMESPACE = "hetero_plugins/wbsp"
+
+
+class ClaimError(RuntimeError):
+    """The claim counters hold what no rank of the job can produce: a client outside the job changed them."""
+
+
+_TAMPERED = ("HINT: something outside the job reaches the claim store and writes to it; keep the rendezvous "
+             "port (MASTER_PORT) and rank 0's ports off untrusted networks, or use aggregation='weighted'.")
 
 
 @dataclass
@@ -66,19 +80,36 @@ class StepClaims:
     def _key(self, owner: int) -> str:
         return f"{self.prefix}/{owner}"
 
+    def _add(self, owner: int, amount: int) -> int:
+        n = int(self.store.add(self._key(owner), int(amount)))
+        if n - int(amount) < 0:
+            raise ClaimError(
+                f"aggregation='wbsp': the claim counter of rank {owner}'s share read {n - int(amount)} before this "
+                f"claim; the job's ranks only ever count up from 0. {_TAMPERED}"
+            )
+        return n
+
     def claim(self, owner: int) -> int | None:
         """The next unclaimed micro-batch of ``owner``'s share, or ``None``."""
-        n = int(self.store.add(self._key(owner), 1))
+        n = self._add(owner, 1)
         return n - 1 if n <= self.counts[owner] else None
 
     def claim_many(self, owner: int, count: int) -> range:
         """The next ``count`` unclaimed micro-batches of ``owner``'s share (fewer, or none, near the end)."""
-        n = int(self.store.add(self._key(owner), int(count)))
+        n = self._add(owner, int(count))
         return range(min(n - int(count), self.counts[owner]), min(n, self.counts[owner]))
 
     def claimed(self, owner: int) -> int:
         """Micro-batches of ``owner``'s share claimed so far (by anyone)."""
-        return min(int(self.store.add(self._key(owner), 0)), int(self.counts[owner]))
+        return min(self._add(owner, 0), int(self.counts[owner]))
+
+    def free(self, amount: int = 0) -> int:
+        """Add ``amount`` to the number of ranks done with their own share in this step; the count after it."""
+        n = int(self.store.add(self.free_key, int(amount)))
+        if not 0 <= n <= len(self.counts):
+            raise ClaimError(f"aggregation='wbsp': {n} ranks reported their share done, of {len(self.counts)}. "
+                             f"{_TAMPERED}")
+        return n
 
     def left(self, exclude: int | None = None) -> int:
         """Micro-batches not yet claimed, over every share but ``exclude``'s."""
@@ -139,9 +170,12 @@ class ClaimKeys:
 
 
 def open_claim_store(comm: Collectives, timeout: float) -> Any:
-    """The key-value store of the claim counters: a ``torch.distributed.TCPStore`` served by rank 0, every
-    operation bounded by ``timeout`` seconds. Collective."""
-    return open_tcp_store(comm, timeout, name="hetero_plugins.aggregation.store")
+    """The key-value store of the claim counters (collective): the job's rendezvous store where the transport
+    has one, else a ``torch.distributed.TCPStore`` rank 0 serves on the job's address; keys under a per-job
+    secret, every operation bounded by ``timeout`` seconds (or the transport's own, shorter, bound), after
+    which it raises :class:`~hetero_plugins.collectives.CollectiveError` naming the store's rank."""
+    bound = min(float(timeout), float(getattr(comm, "timeout", timeout)))
+    return open_store(comm, bound, namespace="hetero_plugins/wbsp")
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -197,7 +231,7 @@ def wbsp_micro_batches(
         return elapsed + elapsed / done * samples if done else math.inf
 
     def others_free() -> bool:
-        return int(store.add(claims.free_key, 0)) > 0
+        return claims.free() > 0
 
     def balanced_time() -> float:
         reported_rates = [int(store.add(claims.rate_key(r), 0)) / 1000.0 for r in range(len(counts))]
@@ -233,7 +267,7 @@ def wbsp_micro_batches(
             lo, hi = offsets[got.start], offsets[got.stop]
             yield MicroBatch(take_rows(batch, lo, hi), hi - lo, rank, 0, got.start)
             done += hi - lo
-    store.add(claims.free_key, 1)
+    claims.free(1)
     unit = max((max(micro_batch_sizes(c, parts), default=0) for c in counts), default=0)
     while claims.left(exclude=rank):
         horizon = 1.5 * balanced_time()
@@ -252,10 +286,11 @@ def wbsp_micro_batches(
 class WBSPAggregator(SampleWeightedAggregator):
     """``aggregation="wbsp"`` (see the module doc).
 
-    Claim keys are ``hetero_plugins/wbsp/{n}/...``, ``n`` counting the steps this aggregator ran (equal on every
-    rank: each runs every step's micro-batches once), so a repeated epoch or step number never meets old
-    counters. A rank deletes its keys of a step two steps later: by then every rank has passed the exchange
-    of the step in between, so none still reads them.
+    Claim keys are ``hetero_plugins/wbsp/{n}/...`` in the store's secret namespace, ``n`` counting the steps
+    this aggregator ran (equal on every rank: each runs every step's micro-batches once), so a repeated epoch or
+    step number never meets old counters. A rank deletes its keys of a step two steps later: by then every rank
+    has passed the exchange of the step in between, so none still reads them. After each exchange every rank
+    checks that the step processed exactly its planned samples (:class:`ClaimError` otherwise).
 
     Attributes:
         store: the claim store (opened by :meth:`setup`).
@@ -303,3 +338,15 @@ class WBSPAggregator(SampleWeightedAggregator):
             if mb.owner != ctx.rank:
                 self.stats.stolen += mb.samples
         self._keys.forget(self.store, claims.keys(ctx.rank))
+
+    def exchange(self, ctx: StepContext) -> bool:
+        out = super().exchange(ctx)
+        done = sum(self.last_counts or ())
+        if done != ctx.planned:  # every unit is claimed exactly once, so only a foreign claim changes the sum
+            raise ClaimError(
+                f"aggregation='wbsp' step {ctx.step}: the ranks processed {done} samples ({self.last_counts}) of the "
+                f"{ctx.planned} planned ({list(ctx.counts)}), so some were "
+                f"{'skipped' if done < ctx.planned else 'repeated'}; "
+                f"the job's own claims hand out each micro-batch exactly once. {_TAMPERED}"
+            )
+        return out

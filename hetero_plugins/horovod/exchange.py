@@ -1,19 +1,25 @@
 """Collectives for plain ``horovodrun`` / ``mpirun`` scripts: Horovod's own, or ``mpi4py``.
 
-Both implement :class:`hetero_plugins.collectives.Collectives`.
+Both implement :class:`hetero_plugins.collectives.Collectives`. Horovod's collectives run asynchronously and are
+polled against a deadline (``timeout``, default ``$HETERO_PLUGINS_TIMEOUT`` or 600 s), so a rank that never
+joins one ends the wait with a :class:`~hetero_plugins.collectives.CollectiveError` naming the collective,
+like a failure Horovod reports (a frozen rank stops Horovod's background loop after
+``HOROVOD_GLOO_TIMEOUT_SECONDS``).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
 from hetero_plugins._validation import check_choice
-from hetero_plugins.collectives import CompletedHandle, ReduceHandle
+from hetero_plugins.collectives import CollectiveError, CompletedHandle, ReduceHandle, default_timeout
 from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 
 __all__ = ["HorovodExchange", "MPIExchange", "get_exchange"]
@@ -22,17 +28,27 @@ _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WOR
 
 
 class HorovodExchange:
-    """Collectives for the epoch-end statistics through Horovod (``hvd.allgather``, ``hvd.broadcast_object``).
+    """Collectives for the epoch-end statistics and the aggregation modes through Horovod, each bounded in time.
 
     Every call names its tensors explicitly: Horovod matches collectives by name, and
     ``hvd.broadcast_object``'s default name (the object's type) differs between ranks whenever the root
-    passes an object and the others ``None`` - a silent hang.
+    passes an object and the others ``None`` - a silent hang. Objects travel as pickled byte tensors (as in
+    ``hvd.broadcast_object`` / ``hvd.allgather_object``), through the asynchronous collectives, so every wait
+    is bounded.
+
+    Args:
+        timeout: seconds a collective may wait for the other ranks (default :func:`default_timeout`:
+            ``$HETERO_PLUGINS_TIMEOUT``, else 600); past it, or when Horovod reports a failure, it raises
+            :class:`~hetero_plugins.collectives.CollectiveError` naming the collective (and the other rank, of
+            two). In an elastic job the error is also a ``HorovodInternalError``, so ``hvd.elastic.run``
+            still resets.
     """
 
     kind = "horovod"
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
         self._store_host: str | None = None
+        self.timeout = float(timeout) if timeout is not None else default_timeout()
 
     def rank(self) -> int:
         return int(_hvd().rank())
@@ -42,29 +58,87 @@ class HorovodExchange:
 
     def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
         """Stack every rank's ``array`` (same shape on all ranks) along a new leading rank axis."""
+        hvd = _hvd()
         t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64)).unsqueeze(0)
-        return _hvd().allgather(t, name=name).numpy()
+        return self.wait(hvd.allgather_async(t, name=name), f"allgather {name!r}").numpy()
 
     def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
-        return _hvd().broadcast_object(obj, root_rank=root, name=name)
+        hvd = _hvd()
+        mine = hvd.rank() == root
+        data = _pickled(obj) if mine else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64)
+        size = self.wait(hvd.broadcast_async_(size, root, name=f"{name}.sz"), f"broadcast {name!r}")
+        if not mine:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        data = self.wait(hvd.broadcast_async_(data, root, name=f"{name}.t"), f"broadcast {name!r}")
+        return obj if mine else pickle.loads(data.numpy().tobytes())
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
-        return list(_hvd().allgather_object(obj, name=name))
+        hvd = _hvd()
+        data = _pickled(obj)
+        sizes = self.wait(hvd.allgather_async(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sz"),
+                          f"allgather_object {name!r}")
+        joined = self.wait(hvd.allgather_async(data, name=f"{name}.t"), f"allgather_object {name!r}").numpy()
+        out, start = [], 0
+        for n in sizes.tolist():
+            out.append(pickle.loads(joined[start : start + int(n)].tobytes()))
+            start += int(n)
+        return out
 
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         hvd = _hvd()
-        return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+        return self.wait(hvd.allreduce_async(tensor, op=hvd.Sum, name=name), f"allreduce {name!r}")
 
     def allreduce_sum_async(self, tensor: torch.Tensor, name: str) -> ReduceHandle:
         hvd = _hvd()
-        return _HorovodHandle(hvd, hvd.allreduce_async(tensor, op=hvd.Sum, name=name))
+        return _HorovodHandle(self, hvd.allreduce_async(tensor, op=hvd.Sum, name=name), f"allreduce {name!r}")
 
     def store_host(self) -> str:
-        """Rank 0's host name, as every rank learns it (collective on first use)."""
+        """An address of rank 0 the other ranks reach, as every rank learns it (collective on first use): the
+        address rank 0 reaches Horovod's rendezvous server from (the job's network), else its host name."""
         if self._store_host is None:
-            self._store_host = self.broadcast_object(socket.gethostname(), name="hetero_plugins.store_host")
+            mine = _address_towards(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")) or socket.gethostname()
+            self._store_host = self.broadcast_object(mine, name="hetero_plugins.store_host")
         return self._store_host
+
+    # ------------------------------------------------------------------ bounds
+    def wait(self, handle: Any, operation: str) -> Any:
+        """The result of Horovod's asynchronous ``handle``, waiting at most :attr:`timeout` seconds."""
+        self.wait_all([handle], operation)
+        return self._synchronize(handle, operation)
+
+    def wait_all(self, handles: list[Any], operation: str) -> None:
+        """Wait until every one of Horovod's ``handles`` is done (or failed), at most :attr:`timeout` seconds."""
+        hvd = _hvd()
+        deadline = time.monotonic() + self.timeout
+        pause = 5e-5
+        for handle in handles:
+            while not hvd.poll(handle):
+                if time.monotonic() > deadline:
+                    raise self.failure(operation)
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)
+
+    def _synchronize(self, handle: Any, operation: str) -> Any:
+        try:
+            return _hvd().synchronize(handle)
+        except RuntimeError as err:
+            raise self.failure(operation, err) from err
+
+    def failure(self, operation: str, err: BaseException | None = None) -> CollectiveError:
+        """The error for ``operation`` that timed out (``err`` None) or failed with Horovod's ``err``; in an elastic
+        job (or for Horovod's own failure) it is also a ``HorovodInternalError``, which ``hvd.elastic.run`` handles."""
+        hvd = _hvd()
+        rank, size = int(hvd.rank()), int(hvd.size())
+        suspects = [1 - rank] if size == 2 else None
+        timeout = self.timeout if err is None else None
+        cause = None if err is None else str(err)
+        internal = _internal_error_type()
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if internal is not None and (isinstance(err, internal) or (err is None and elastic)):
+            return _HorovodCollectiveError(rank, operation, suspects, timeout=timeout, cause=cause)
+        return CollectiveError(rank, operation, suspects, timeout=timeout, cause=cause)
 
 
 class MPIExchange:
@@ -135,10 +209,45 @@ def get_exchange(kind: str = "auto") -> HorovodExchange | MPIExchange:
 
 
 class _HorovodHandle:
-    """``hvd.allreduce_async``'s handle as a :class:`~hetero_plugins.collectives.ReduceHandle`."""
+    """``hvd.allreduce_async``'s handle as a :class:`~hetero_plugins.collectives.ReduceHandle` (bounded wait)."""
 
-    def __init__(self, hvd: Any, handle: Any) -> None:
-        self._hvd, self._handle = hvd, handle
+    def __init__(self, exchange: HorovodExchange, handle: Any, operation: str) -> None:
+        self._exchange, self._handle, self._operation = exchange, handle, operation
 
     def wait(self) -> torch.Tensor:
-        return self._hvd.synchronize(self._handle)
+        return self._exchange.wait(self._handle, self._operation)  # type: ignore[no-any-return]
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _address_towards(peer: str | None) -> str | None:
+    """This host's address on the route to ``peer`` (no packet is sent), or ``None``."""
+    if not peer:
+        return None
+    try:
+        family = socket.getaddrinfo(peer, 1, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 1))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _internal_error_type() -> type[BaseException] | None:
+    try:
+        from horovod.common.exceptions import HorovodInternalError
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return HorovodInternalError
+
+
+_internal = _internal_error_type()
+if _internal is not None:
+
+    class _HorovodCollectiveError(CollectiveError, _internal):  # type: ignore[valid-type,misc]
+        """A :class:`CollectiveError` that is also Horovod's ``HorovodInternalError`` (elastic jobs reset on it)."""
+
+else:  # pragma: no cover - without Horovod no such error is raised
+    _HorovodCollectiveError = CollectiveError  # type: ignore[misc,assignment]

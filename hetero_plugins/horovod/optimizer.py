@@ -19,6 +19,7 @@ from torch.utils.data import default_collate
 from hetero_plugins._validation import check_int
 from hetero_plugins.aggregation import AggregationStats, Aggregator, StepContext, make_aggregator
 from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
+from hetero_plugins.collectives import CollectiveError, is_transport_failure
 from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 from hetero_plugins.horovod.exchange import HorovodExchange
 from hetero_plugins.horovod.sampler import HeteroBatchSampler
@@ -391,7 +392,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
             step = self._backward_step
             ctx = self._context(step if step is not None else max(0, self.batch_sampler.steps_done - 1))
         if aggregator.exchange(ctx):
-            out = self.optimizer.step(None if explicit else closure)  # weighted: Horovod's step all-reduces
+            out = self._step_inner(None if explicit else closure, explicit)  # weighted: Horovod's step all-reduces
             if not explicit:
                 loss = out
         aggregator.after_step(ctx)
@@ -411,6 +412,26 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         return True
 
     # ------------------------------------------------------------------ internals
+    def _step_inner(self, closure: Any, explicit: bool) -> Any:
+        """Step the wrapped optimizer. ``"weighted"``: first wait, bounded by the exchange's timeout, for Horovod's
+        gradient all-reduces the backward pass started (``hvd.DistributedOptimizer.step`` would wait for them
+        without a bound), and name a failure of them."""
+        comm = self.aggregator.comm
+        operation = "hvd.DistributedOptimizer's gradient allreduce"
+        wait_all = getattr(comm, "wait_all", None)
+        handles = getattr(self.optimizer, "_handles", None)  # Horovod's {parameter: (handle, context)}
+        if not explicit and wait_all is not None and isinstance(handles, dict):
+            wait_all([h for h, _ in handles.values() if isinstance(h, int)], operation)
+        try:
+            return self.optimizer.step(closure)
+        except CollectiveError:
+            raise
+        except RuntimeError as err:
+            failure = getattr(comm, "failure", None)
+            if explicit or failure is None or not is_transport_failure(err):
+                raise
+            raise failure(operation, err) from err
+
     def _initialise_state(self) -> Any:
         """A step with no backward pass: create the optimizer's state from the gradients as they are."""
         skip = getattr(self.optimizer, "skip_synchronize", None)  # Horovod's optimizer: no all-reduce either

@@ -197,6 +197,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         (as an elastic ``train`` function does after a reset) resumes that epoch where it stopped.
         """
         epoch = check_int("epoch", epoch, minimum=0)
+        self._check_agreement()
         self._reconcile_world()
         self._reconcile_hosts()
         started = self._steps_done > 0 or self._order is not None
@@ -338,6 +339,36 @@ class HeteroBatchSampler(Sampler[list[int]]):
             self._open = True
 
     # ------------------------------------------------------------------ internals
+    def _check_agreement(self) -> None:
+        """Every rank built this sampler alike, or every rank raises naming the ranks that differ and how
+        (collective; one bounded ``allgather_object``). Ranks that disagree would otherwise lay out different
+        epochs and wait for each other in collectives that never match.
+
+        It runs at every ``set_epoch``, not only the first: a worker that joins an elastic job checks along
+        with the others. It compares the global batch (``batch_size`` x world size at the start, which such a
+        worker adopts from the committed state), not each rank's ``batch_size``.
+        """
+        mine = {"num_samples": self.num_samples, "batch_size": self.local_batch_size, "global": self.global_batch,
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+        everyone = self.exchange.allgather_object(mine, name="hetero_plugins.sampler.arguments")
+        first = everyone[0]
+        problems = []
+        for r, theirs in enumerate(everyone[1:], start=1):
+            for key in ("num_samples", "global", "shuffle", "seed", "drop_last"):
+                if theirs[key] == first[key]:
+                    continue
+                if key == "global":
+                    problems.append(f"rank {r} has batch_size={theirs['batch_size']} (global batch {theirs['global']}) "
+                                    f"but rank 0 has batch_size={first['batch_size']} (global batch {first['global']})")
+                else:
+                    problems.append(f"rank {r} has {key}={theirs[key]!r} but rank 0 has {key}={first[key]!r}")
+        if problems:
+            raise ValueError(
+                "hh.HeteroBatchSampler is built differently on different ranks: " + "; ".join(problems) + ". "
+                "HINT: build it with the same num_samples (len of the same dataset), batch_size, shuffle, seed and "
+                "drop_last on every rank."
+            )
+
     def _new_planner(self, world: int) -> BalancePlanner:
         if self.global_batch < world:
             raise ValueError(

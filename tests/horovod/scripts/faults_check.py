@@ -1,0 +1,75 @@
+"""Run under ``horovodrun -np 2 --gloo``: faults a plain Horovod script must end on, with an error that says why.
+
+``python faults_check.py OUT_DIR PHASE``:
+
+    mismatch   the ranks build ``hh.HeteroBatchSampler`` differently: num_samples 240 vs 200, then batch_size 8
+               vs 6. ``set_epoch`` raises on every rank (each rank writes ``mismatch_rank{r}.json`` with the two
+               messages); then a third sampler differs in ``seed`` and the error is left uncaught, so the job ends.
+    freeze:M   aggregation mode M; rank 0 stops itself (SIGSTOP) at step 3 of epoch 0 after writing ``frozen``;
+               rank 1 must end with an error naming rank 0 and the collective (``HETERO_PLUGINS_TIMEOUT`` and
+               ``HOROVOD_GLOO_TIMEOUT_SECONDS`` bound the wait).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import hetero_plugins.horovod as hh
+
+
+def mismatch(out: str) -> None:
+    rank = hvd.rank()
+    messages = {}
+    for case, kwargs in (("num_samples", dict(num_samples=240 if rank == 0 else 200, batch_size=8)),
+                         ("batch_size", dict(num_samples=240, batch_size=8 if rank == 0 else 6))):
+        sampler = hh.HeteroBatchSampler(shuffle=True, seed=0, **kwargs)
+        try:
+            sampler.set_epoch(0)
+            messages[case] = None
+        except ValueError as err:
+            messages[case] = str(err)
+    with open(os.path.join(out, f"mismatch_rank{rank}.json"), "w") as f:
+        json.dump(messages, f)
+    hh.HeteroBatchSampler(240, batch_size=8, seed=rank).set_epoch(0)  # uncaught: the job ends on it
+
+
+def freeze(out: str, mode: str) -> None:
+    rank = hvd.rank()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(320, 8, generator=g), torch.randint(0, 3, (320,), generator=g))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    sampler = hh.HeteroBatchSampler(len(data), batch_size=8, seed=0)
+    loader = DataLoader(data, batch_sampler=sampler)
+    opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(), batch_sampler=sampler,
+                                  aggregation=mode, dataset=data)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for step, batch in enumerate(loader):
+            if rank == 0 and epoch == 0 and step == 3:
+                with open(os.path.join(out, "frozen"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            opt.zero_grad()
+            for x, y in opt.micro_batches(batch):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+
+if __name__ == "__main__":
+    hvd.init()
+    torch.set_num_threads(1)
+    out, phase = sys.argv[1], sys.argv[2]
+    if phase == "mismatch":
+        mismatch(out)
+    else:
+        freeze(out, phase.split(":", 1)[1])

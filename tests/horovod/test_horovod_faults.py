@@ -1,0 +1,58 @@
+"""Faults in plain ``horovodrun`` scripts (real ``horovodrun -np 2 --gloo`` jobs, bounded in time).
+
+- Ranks that build ``hh.HeteroBatchSampler`` differently (``num_samples`` 240 vs 200, ``batch_size`` 8 vs 6)
+  used to lay out different epochs and wait for each other until killed; now the first ``set_epoch`` raises on
+  every rank an error naming the rank that differs and in what, and the job ends.
+- A rank that freezes (``SIGSTOP``) ends the job with an error naming it and the collective, in ``"weighted"``
+  (Horovod's own gradient all-reduce) and in ``"wbsp"`` (the claim store rank 0 serves).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import pytest
+
+from tests.horovod.conftest import SCRIPTS, run_job
+
+pytestmark = pytest.mark.horovod
+
+TIMEOUT = 10  # HETERO_PLUGINS_TIMEOUT and HOROVOD_GLOO_TIMEOUT_SECONDS in the freeze jobs
+
+
+def test_ranks_that_disagree_on_the_sampler_all_raise_naming_the_rank_and_the_argument(horovod_available, tmp_path):
+    start = time.monotonic()
+    res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
+                   str(tmp_path), "mismatch"], timeout=90)
+    took = time.monotonic() - start
+    print(f"\nmismatch: the job ended after {took:.1f} s (start-up included)")
+    assert res.returncode != 0, res.stdout[-4000:]
+    assert "rank 1 has seed=1 but rank 0 has seed=0" in res.stdout, res.stdout[-4000:]
+    for rank in range(2):
+        messages = json.loads((tmp_path / f"mismatch_rank{rank}.json").read_text())
+        assert "rank 1 has num_samples=200 but rank 0 has num_samples=240" in messages["num_samples"]
+        assert ("rank 1 has batch_size=6 (global batch 12) but rank 0 has batch_size=8 (global batch 16)"
+                in messages["batch_size"])
+        assert all("HINT" in m for m in messages.values())
+    assert took < 60
+
+
+@pytest.mark.parametrize("mode", ["weighted", "wbsp"])
+def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available, tmp_path, mode):
+    env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+    res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
+                   str(tmp_path), f"freeze:{mode}"], timeout=TIMEOUT + 100, env=env)
+    ended = time.time()
+    frozen = tmp_path / "frozen"
+    assert frozen.exists(), res.stdout[-4000:]
+    after = ended - float(frozen.read_text())
+    print(f"\n{mode}: the job ended {after:.1f} s after rank 0 froze (timeout {TIMEOUT} s)")
+    assert res.returncode != 0
+    assert after < TIMEOUT + 60
+    message = next((ln for ln in res.stdout.splitlines() if "CollectiveError: " in ln), None)
+    assert message is not None, res.stdout[-6000:]
+    assert "rank 1" in message and "rank 0 did not answer" in message, message
+    assert re.search(r"allreduce|allgather|broadcast|add\(", message), message
