@@ -20,6 +20,7 @@ Lightning's own sampler (its iterator already exists when callbacks first see th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -36,7 +37,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from hetero_plugins.balancing.allocators import get_allocator
 from hetero_plugins.balancing.coordinator import PlanCoordinator, start_advisor
-from hetero_plugins.balancing.options import BalancingOptions, resolve_policy
+from hetero_plugins.balancing.options import BalancingOptions, check_keywords, resolve_policy
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks._collectives import StrategyCollectives
@@ -57,6 +58,9 @@ from hetero_plugins.telemetry import StepTimer, SystemMonitor, memory_cap
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
+
+#: The keywords the balancing classes take: every option of ``BalancingOptions`` and ``policy``.
+_OPTION_NAMES = (*(f.name for f in dataclasses.fields(BalancingOptions)), "policy")
 
 #: Per-rank system readings added to each ``plan_history`` entry (``None`` where unknown, e.g. no GPU).
 _STATS = ("cpu_percent", "gpu_util", "gpu_mem_used")
@@ -92,9 +96,8 @@ class BatchBalancer(Callback):
 
     def __init__(self, balancing: BalancingOptions | None = None, **options: Any) -> None:
         opts = BalancingOptions.from_kwargs(balancing, options)
-        if options:
-            raise TypeError(f"BatchBalancer got unexpected keyword argument(s) {sorted(options)}. HINT: the "
-                            "options are those of hetero_plugins.balancing.BalancingOptions (and `policy`).")
+        check_keywords("BatchBalancer", options, _OPTION_NAMES,
+                       "hetero_plugins.balancing.BalancingOptions (and `policy`)")
         opts.refuse("BatchBalancer", {"hosts_file": "it is rewritten by elastic horovodrun scripts "
                                                     "(hetero_plugins.horovod.HeteroBatchSampler) only."})
         self.options = opts

@@ -32,7 +32,7 @@ from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.collectives import TorchCollectives
 from hetero_plugins.strategies._aggregation import AggregationMixin
-from hetero_plugins.strategies._balanced import BalancedStrategyMixin
+from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
 
 __all__ = ["HeteroDDPStrategy"]
 
@@ -76,6 +76,8 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        check_strategy_keywords("HeteroDDPStrategy", kwargs, HeteroDDPStrategy.__init__, DDPStrategy.__init__,
+                                torch.nn.parallel.DistributedDataParallel.__init__)
         options = BalancingOptions.from_kwargs(balancing, kwargs)
         if "ddp_comm_hook" in kwargs:
             raise ValueError(
