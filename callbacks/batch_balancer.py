@@ -16,6 +16,13 @@ Lightning injected) for a :class:`~hetero_plugins.balancing.sampler.HeteroDistri
 ``BatchSampler``'s ``batch_size``; both are public attributes of torch's samplers. The first epoch runs with
 Lightning's own sampler (its iterator already exists when callbacks first see the loader); with
 ``HeteroDDPStrategy`` the balanced sampler is in place from the start, for validation too.
+
+Checkpoints hold the plan and the time models. Resumed on another number of ranks, they re-seed the planner
+(each remaining rank keeps its time model, a new rank starts without one) with a warning. With
+``HeteroDDPStrategy`` the train loader's position is checkpointed too: a fit resumed from a mid-epoch checkpoint
+continues that epoch at its first step not done, with its plans, so every remaining sample runs exactly once.
+A loader the balancer cannot split (a custom sampler, an ``IterableDataset``) keeps its own batches, as under
+stock DDP, and ``plan_history`` says ``plan_applied=False``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from hetero_plugins.balancing.options import BalancingOptions, check_keywords, r
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks._collectives import StrategyCollectives
-from hetero_plugins.callbacks._loaders import BalancedLoaders, loader_plan
+from hetero_plugins.callbacks._loaders import UNSIZED, BalancedLoaders, loader_plan
 from hetero_plugins.callbacks._relocation import (
     RelocationRestart,
     adopt_relocation,
@@ -85,8 +92,12 @@ class BatchBalancer(Callback):
         batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
         plan_history: one dict per epoch: ``epoch``, ``batch_sizes``, ``throughput`` (per rank, samples/s of
             compute), ``straggler_level``, ``idle_fraction``, ``predicted_epoch_time``,
-            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``, and per rank ``cpu_percent``,
-            ``gpu_util`` and ``gpu_mem_used`` (``None`` where there is no GPU).
+            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``, ``plan_applied``, and per rank
+            ``cpu_percent``, ``gpu_util`` and ``gpu_mem_used`` (``None`` where there is no GPU).
+            ``plan_applied`` is ``False`` for an epoch that ran the loader's own equal batches: the first epoch
+            beside a stock strategy, or every epoch of a loader the balancer cannot split (a custom sampler such
+            as ``WeightedRandomSampler``, or an ``IterableDataset``); ``batch_sizes`` are then those batches and,
+            for a loader that cannot be split, ``next_batch_sizes`` and ``batch_plan`` stay equal too.
 
     Example::
 
@@ -113,6 +124,7 @@ class BatchBalancer(Callback):
         self._cursor = 0
         self._plan_changes: list[dict[str, Any]] = []
         self._start_plan: list[int] | None = None
+        self._applied = False
         self._hook_state: WeightedAllreduceState | None = None
         self._external_weighting: Any = None
         self._pending_state: dict[str, Any] | None = None
@@ -183,7 +195,9 @@ class BatchBalancer(Callback):
             return None
         plan, n = found
         global_batch = sum(plan)
-        if n < global_batch:
+        if n is None:
+            self.loaders.warn_once("unsized", UNSIZED)  # the time models still learn; no plan is applied
+        elif n < global_batch:
             raise ValueError(
                 f"the training dataset has {n} samples, fewer than one global batch of {global_batch} "
                 f"(batch_size {plan[0]} x {world} ranks). HINT: lower the DataLoader's batch_size to at most "
@@ -191,7 +205,7 @@ class BatchBalancer(Callback):
             )
         self.planner = self.options.planner(world, global_batch, plan, allocator=self.allocator)
         if self._pending_state and "planner" in self._pending_state:
-            self.planner.load_state_dict(self._pending_state["planner"])
+            self.planner.load_state_dict(self._pending_state["planner"], resize=True)  # another world: re-seeded
             self._pending_state = None
         return self.planner
 
@@ -203,7 +217,7 @@ class BatchBalancer(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = dict(state_dict)
         if self.planner is not None and "planner" in state_dict:
-            self.planner.load_state_dict(state_dict["planner"])
+            self.planner.load_state_dict(state_dict["planner"], resize=True)
             self._pending_state = None
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -245,6 +259,19 @@ class BatchBalancer(Callback):
                 "'hetero_ddp' or 'hetero_horovod'."
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A fit resumed from a mid-epoch checkpoint continues that epoch without an epoch start: the balanced
+        # sampler restored its plans and position; the epoch's record starts from them.
+        if not trainer.fit_loop.restarted_mid_epoch:
+            return
+        planner = self.ensure_planner(trainer)
+        own = self.own_batch_sampler(trainer)
+        if own is not None and planner is not None:
+            changes = [{"step": k, "batch_sizes": list(p)} for k, p in own.plan_changes]
+            self._begin_epoch(trainer, planner, list(own.sampler.plan), changes, applied=True)
+        else:
+            self._begin_epoch(trainer, planner, self.loaders.loader_batch_sizes(trainer), [], applied=False)
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         planner = self.ensure_planner(trainer)
         if self._resumed_relocation is not None and planner is not None:
@@ -252,21 +279,30 @@ class BatchBalancer(Callback):
             self._resumed_relocation = None
         dl = trainer.train_dataloader
         own = self.own_batch_sampler(trainer)
+        applied = False
         if own is not None and planner is not None:
             own.set_plan(planner.plan)  # the next epoch's plan, from step 0
             own.set_epoch(trainer.current_epoch)
+            applied = True
         elif isinstance(dl, DataLoader) and trainer.current_epoch > 0:
-            self.loaders.install(dl, trainer, train=True)
+            applied = self.loaders.install(dl, trainer, train=True)
             if self.loaders.train_sampler is not None:
                 self.loaders.train_sampler.set_epoch(trainer.current_epoch)
+        start = (list(planner.plan) if applied else self.loaders.loader_batch_sizes(trainer)) if planner else None
+        self._begin_epoch(trainer, planner, start, [], applied)
+
+    def _begin_epoch(self, trainer: pl.Trainer, planner: BalancePlanner | None, start_plan: list[int] | None,
+                     changes: list[dict[str, Any]], applied: bool) -> None:
+        """Reset the epoch's records: it runs ``start_plan`` (the loader's own batches unless ``applied``)."""
         self.timer.pop_records()
         self.timer.reset_data_clock()
         self._epoch_start = self._epoch_end = None
         self._cursor = 0
         if planner is not None:
             self._coordinate(trainer).begin_epoch()
-        self._plan_changes = []
-        self._start_plan = None if planner is None else list(planner.plan)
+        self._plan_changes = changes
+        self._start_plan = start_plan
+        self._applied = applied
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         counts = self.loaders.step_counts(trainer, batch_idx)
@@ -338,12 +374,21 @@ class BatchBalancer(Callback):
             write_relocation=functools.partial(write_torchrun_relocation, trainer, self.options, self._warn_once),
         )
         assert entry is not None  # records are padded, so every epoch gets an entry
+        entry["plan_applied"] = self._applied
+        if not self.loaders.can_balance(trainer.train_dataloader):
+            # The loader keeps its own batches (a sampler or dataset the balancer cannot split): report the
+            # batches it will run, not a plan that would never be applied.
+            used = self.loaders.loader_batch_sizes(trainer)
+            planner.plan = list(used)
+            planner.predicted_step_time = planner.predict_step_time(used)
+            entry.update(next_batch_sizes=list(used), plan_changed=False, predicted_gain=0.0)
         if entry.get("relocation") and entry["relocation"].get("checkpoint"):
             restart_for_relocation(trainer, entry["relocation"])
         for col, key in enumerate(_STATS):
             entry[key] = [None if v < 0 else float(v) for v in coordinator.extras[:, col]]
         if self.options.log_metrics:
             metrics = {f"hetero/batch_size/rank_{r}": float(b) for r, b in enumerate(entry["batch_sizes"])}
+            metrics["hetero/plan_applied"] = float(entry["plan_applied"])
             metrics["hetero/straggler_level"] = float(entry["straggler_level"])
             metrics["hetero/idle_fraction"] = float(entry["idle_fraction"])
             if entry["samples_per_s"] is not None:
