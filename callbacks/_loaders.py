@@ -9,25 +9,33 @@ predict loader gets contiguous per-rank slices of the prediction order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 
 from hetero_plugins.balancing.allocators import Bounds, largest_remainder
 from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 
-__all__ = ["BalancedLoaders", "loader_like", "loader_plan"]
+__all__ = ["UNSIZED", "BalancedLoaders", "ResumableLoader", "can_balance", "loader_like", "loader_plan"]
 
-def loader_plan(dl: object, world: int) -> tuple[list[int], int] | None:
+#: The one warning for a dataset without a length (an ``IterableDataset``).
+UNSIZED = ("BatchBalancer: the dataset has no len() (an IterableDataset): per-rank batch sizes need a sized "
+           "dataset, so every rank keeps the loader's own batches, as stock DDP does, and no plan is applied "
+           "(plan_history says plan_applied=False). HINT: use a map-style Dataset (__len__ and __getitem__) to "
+           "balance batch sizes.")
+
+
+def loader_plan(dl: object, world: int) -> tuple[list[int], int | None] | None:
     """The first plan and the dataset length a train loader implies (``None``: not a batched ``DataLoader``).
 
     A balanced sampler brings its plan; Lightning's ``DistributedSampler`` in a ``BatchSampler`` means the
-    loader's ``batch_size`` on every rank.
+    loader's ``batch_size`` on every rank. The length is ``None`` for a dataset without one.
     """
     if not isinstance(dl, DataLoader) or dl.batch_sampler is None:
         return None
@@ -40,12 +48,54 @@ def loader_plan(dl: object, world: int) -> tuple[list[int], int] | None:
     local = getattr(bs, "batch_size", None)
     if not isinstance(local, int):
         return None
-    n = len(inner.dataset) if isinstance(inner, DistributedSampler) else len(dl.dataset)  # type: ignore[arg-type]
-    return [local] * world, n
+    return [local] * world, sized_len(inner.dataset if isinstance(inner, DistributedSampler) else dl.dataset)
 
-def loader_like(dl: DataLoader, batch_sampler: Any) -> DataLoader:
-    """A ``DataLoader`` over ``dl``'s dataset with ``dl``'s loading options and another batch sampler."""
-    return DataLoader(
+
+def can_balance(dl: object) -> bool:
+    """Whether per-rank batch sizes can be installed in train loader ``dl`` (see :meth:`BalancedLoaders.install`)."""
+    if not isinstance(dl, DataLoader) or sized_len(dl.dataset) is None:
+        return False
+    bs = dl.batch_sampler
+    if isinstance(bs, HeteroBatchSampler):
+        return True
+    inner = getattr(bs, "sampler", None)
+    return type(bs) is BatchSampler and (isinstance(inner, HeteroDistributedSampler) or type(inner) is DistributedSampler)
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`HeteroBatchSampler` that Lightning checkpoints and resumes mid-epoch.
+
+    Lightning saves the ``state_dict`` of a train loader that has one in the fit loop's checkpoint state and
+    loads it before the resumed epoch's first batch (as for torchdata's ``StatefulDataLoader``). The state is
+    the batch sampler's, with the steps this loader has delivered (not those its workers drew ahead), so the
+    resumed epoch starts at the first step that was not trained on.
+    """
+
+    #: ``(epoch, steps delivered)`` of the latest iteration (``None`` before the first).
+    position: tuple[int, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        bs: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        epoch, done = bs.epoch, bs.start_step
+        self.position = (epoch, done)
+        for batch in super().__iter__():
+            done += 1
+            self.position = (epoch, done)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        bs: HeteroBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        at = self.position
+        return bs.state_dict(steps_done=at[1] if at is not None and at[0] == bs.epoch else bs.start_step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state)  # type: ignore[union-attr]
+
+
+def loader_like(dl: DataLoader, batch_sampler: Any, resumable: bool = False) -> DataLoader:
+    """A ``DataLoader`` over ``dl``'s dataset with ``dl``'s loading options and another batch sampler
+    (a :class:`ResumableLoader` with ``resumable``)."""
+    return (ResumableLoader if resumable else DataLoader)(
         dl.dataset,
         batch_sampler=batch_sampler,
         num_workers=dl.num_workers,
@@ -87,6 +137,17 @@ class BalancedLoaders:
         bs = dl.batch_sampler if isinstance(dl, DataLoader) else None
         return bs if isinstance(bs, HeteroBatchSampler) else None
 
+    @staticmethod
+    def can_balance(dl: object) -> bool:
+        """Whether per-rank batch sizes can be installed in train loader ``dl``."""
+        return can_balance(dl)
+
+    @staticmethod
+    def loader_batch_sizes(trainer: pl.Trainer) -> list[int] | None:
+        """Every rank's batch size under the train loader's own batch sampler (``None``: not a batched loader)."""
+        found = loader_plan(trainer.train_dataloader, trainer.world_size)
+        return None if found is None else found[0]
+
     def prepare(self, dataloader: object, trainer: pl.Trainer) -> object:
         """Install per-rank batch sizes in a loader Lightning prepared (for the stage running now)."""
         if not isinstance(dataloader, DataLoader):
@@ -119,7 +180,7 @@ class BalancedLoaders:
         )
         hb.set_epoch(trainer.current_epoch)
         self.train_sampler = hb
-        return loader_like(dl, hb)
+        return loader_like(dl, hb, resumable=True)
 
     def _predict_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:
         """A loader over this rank's contiguous slice of the prediction order, in batches of its planned size.
@@ -128,11 +189,14 @@ class BalancedLoaders:
         would visit is kept (its ``dataset`` maps positions to indices), cut into contiguous per-rank slices
         sized by the plan, so that concatenating all ranks' outputs restores the dataset order.
         """
+        if sized_len(dl.dataset) is None:
+            self.warn_once("unsized", UNSIZED)
+            return dl
         inner = getattr(dl.batch_sampler, "sampler", None)
         local = getattr(dl.batch_sampler, "batch_size", None)
         if not isinstance(inner, DistributedSampler) or not isinstance(local, int):
-            self._warn_once("predict", "BatchBalancer: the predict loader is not a batched DataLoader with "
-                            "Lightning's distributed sampler; predictions keep equal batches and rank order.")
+            self.warn_once("predict", "BatchBalancer: the predict loader is not a batched DataLoader with "
+                           "Lightning's distributed sampler; predictions keep equal batches and rank order.")
             return dl
         positions = inner.dataset  # Lightning's wrapper: position -> index of the user's sampler order
         order = [int(positions[p]) for p in range(len(positions))]  # type: ignore[arg-type]
@@ -156,6 +220,9 @@ class BalancedLoaders:
         """Put the plan into ``dl``'s batch sampler in place; ``False`` (and a warning) if it cannot be."""
         bs = dl.batch_sampler
         rank, world = trainer.global_rank, trainer.world_size
+        if sized_len(dl.dataset) is None:
+            self.warn_once("unsized", UNSIZED)
+            return False
         if isinstance(bs, HeteroBatchSampler):
             sampler: HeteroDistributedSampler = bs.sampler
             local_batch = None
@@ -164,7 +231,7 @@ class BalancedLoaders:
             local_batch = bs.batch_size
         else:
             kind = type(getattr(bs, "sampler", bs)).__name__
-            self._warn_once(
+            self.warn_once(
                 f"sampler-{kind}",
                 f"BatchBalancer: cannot rebalance a loader whose sampler is {kind}; its batches stay equal. "
                 "HINT: let Lightning inject its DistributedSampler (use_distributed_sampler=True) or pass a "
@@ -173,7 +240,11 @@ class BalancedLoaders:
             return False
         if isinstance(sampler, DistributedSampler) and not isinstance(sampler, HeteroDistributedSampler):
             if type(sampler) is not DistributedSampler:
-                self._warn_once("dsw", f"BatchBalancer: cannot rebalance {type(sampler).__name__}; batches stay equal.")
+                self.warn_once("dsw", (
+                    f"BatchBalancer: cannot rebalance {type(sampler).__name__} (Lightning's wrapper of a custom "
+                    "sampler, e.g. WeightedRandomSampler); batches stay equal and plan_history says "
+                    "plan_applied=False. HINT: to balance, draw the samples in the Dataset (e.g. a resampled "
+                    "index list) and let Lightning inject its plain DistributedSampler."))
                 return False
             n = len(sampler.dataset)  # type: ignore[arg-type]
             drop_last = bool(sampler.drop_last or bs.drop_last)  # type: ignore[union-attr]
@@ -225,7 +296,8 @@ class BalancedLoaders:
         except IndexError:
             return None
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn on rank 0, once per ``key`` for these loaders."""
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)

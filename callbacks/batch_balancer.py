@@ -16,10 +16,18 @@ Lightning injected) for a :class:`~hetero_plugins.balancing.sampler.HeteroDistri
 ``BatchSampler``'s ``batch_size``; both are public attributes of torch's samplers. The first epoch runs with
 Lightning's own sampler (its iterator already exists when callbacks first see the loader); with
 ``HeteroDDPStrategy`` the balanced sampler is in place from the start, for validation too.
+
+Checkpoints hold the plan and the time models. Resumed on another number of ranks, they re-seed the planner
+(each remaining rank keeps its time model, a new rank starts without one) with a warning. With
+``HeteroDDPStrategy`` the train loader's position is checkpointed too: a fit resumed from a mid-epoch checkpoint
+continues that epoch at its first step not done, with its plans, so every remaining sample runs exactly once.
+A loader the balancer cannot split (a custom sampler, an ``IterableDataset``) keeps its own batches, as under
+stock DDP, and ``plan_history`` says ``plan_applied=False``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -36,11 +44,11 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from hetero_plugins.balancing.allocators import get_allocator
 from hetero_plugins.balancing.coordinator import PlanCoordinator, start_advisor
-from hetero_plugins.balancing.options import BalancingOptions, resolve_policy
+from hetero_plugins.balancing.options import BalancingOptions, check_keywords, resolve_policy
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks._collectives import StrategyCollectives
-from hetero_plugins.callbacks._loaders import BalancedLoaders, loader_plan
+from hetero_plugins.callbacks._loaders import UNSIZED, BalancedLoaders, loader_plan
 from hetero_plugins.callbacks._relocation import (
     RelocationRestart,
     adopt_relocation,
@@ -57,6 +65,9 @@ from hetero_plugins.telemetry import StepTimer, SystemMonitor, UtilisationSample
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
+
+#: The keywords the balancing classes take: every option of ``BalancingOptions`` and ``policy``.
+_OPTION_NAMES = (*(f.name for f in dataclasses.fields(BalancingOptions)), "policy")
 
 #: Per-rank system readings added to each ``plan_history`` entry (``None`` where unknown, e.g. no GPU).
 _STATS = ("cpu_percent", "gpu_util", "gpu_mem_used")
@@ -81,8 +92,13 @@ class BatchBalancer(Callback):
         batch_plan: the current per-rank batch sizes in global-rank order (``None`` before training).
         plan_history: one dict per epoch: ``epoch``, ``batch_sizes``, ``throughput`` (per rank, samples/s of
             compute), ``straggler_level``, ``idle_fraction``, ``predicted_epoch_time``,
-            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``, and per rank ``cpu_percent``,
-            ``gpu_util`` and ``gpu_mem_used`` (means over the epoch from NVML readings; ``None`` where there is no GPU).
+            ``measured_epoch_time``, ``samples_per_s``, ``next_batch_sizes``, ``plan_applied``, and per rank
+            ``cpu_percent``, ``gpu_util`` and ``gpu_mem_used`` (means over the epoch from NVML readings; ``None``
+            where there is no GPU).
+            ``plan_applied`` is ``False`` for an epoch that ran the loader's own equal batches: the first epoch
+            beside a stock strategy, or every epoch of a loader the balancer cannot split (a custom sampler such
+            as ``WeightedRandomSampler``, or an ``IterableDataset``); ``batch_sizes`` are then those batches and,
+            for a loader that cannot be split, ``next_batch_sizes`` and ``batch_plan`` stay equal too.
 
     Example::
 
@@ -92,9 +108,8 @@ class BatchBalancer(Callback):
 
     def __init__(self, balancing: BalancingOptions | None = None, **options: Any) -> None:
         opts = BalancingOptions.from_kwargs(balancing, options)
-        if options:
-            raise TypeError(f"BatchBalancer got unexpected keyword argument(s) {sorted(options)}. HINT: the "
-                            "options are those of hetero_plugins.balancing.BalancingOptions (and `policy`).")
+        check_keywords("BatchBalancer", options, _OPTION_NAMES,
+                       "hetero_plugins.balancing.BalancingOptions (and `policy`)")
         opts.refuse("BatchBalancer", {"hosts_file": "it is rewritten by elastic horovodrun scripts "
                                                     "(hetero_plugins.horovod.HeteroBatchSampler) only."})
         self.options = opts
@@ -110,6 +125,7 @@ class BatchBalancer(Callback):
         self._cursor = 0
         self._plan_changes: list[dict[str, Any]] = []
         self._start_plan: list[int] | None = None
+        self._applied = False
         self._hook_state: WeightedAllreduceState | None = None
         self._external_weighting: Any = None
         self._pending_state: dict[str, Any] | None = None
@@ -181,7 +197,9 @@ class BatchBalancer(Callback):
             return None
         plan, n = found
         global_batch = sum(plan)
-        if n < global_batch:
+        if n is None:
+            self.loaders.warn_once("unsized", UNSIZED)  # the time models still learn; no plan is applied
+        elif n < global_batch:
             raise ValueError(
                 f"the training dataset has {n} samples, fewer than one global batch of {global_batch} "
                 f"(batch_size {plan[0]} x {world} ranks). HINT: lower the DataLoader's batch_size to at most "
@@ -189,7 +207,7 @@ class BatchBalancer(Callback):
             )
         self.planner = self.options.planner(world, global_batch, plan, allocator=self.allocator)
         if self._pending_state and "planner" in self._pending_state:
-            self.planner.load_state_dict(self._pending_state["planner"])
+            self.planner.load_state_dict(self._pending_state["planner"], resize=True)  # another world: re-seeded
             self._pending_state = None
         return self.planner
 
@@ -201,7 +219,7 @@ class BatchBalancer(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = dict(state_dict)
         if self.planner is not None and "planner" in state_dict:
-            self.planner.load_state_dict(state_dict["planner"])
+            self.planner.load_state_dict(state_dict["planner"], resize=True)
             self._pending_state = None
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -243,6 +261,20 @@ class BatchBalancer(Callback):
                 "'hetero_ddp' or 'hetero_horovod'."
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A fit resumed from a mid-epoch checkpoint continues that epoch without an epoch start: the balanced
+        # sampler restored its plans and position; the epoch's record starts from them.
+        if not trainer.fit_loop.restarted_mid_epoch:
+            return
+        self._utilisation(trainer).start()
+        planner = self.ensure_planner(trainer)
+        own = self.own_batch_sampler(trainer)
+        if own is not None and planner is not None:
+            changes = [{"step": k, "batch_sizes": list(p)} for k, p in own.plan_changes]
+            self._begin_epoch(trainer, planner, list(own.sampler.plan), changes, applied=True)
+        else:
+            self._begin_epoch(trainer, planner, self.loaders.loader_batch_sizes(trainer), [], applied=False)
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         planner = self.ensure_planner(trainer)
         self._utilisation(trainer).start()
@@ -251,21 +283,30 @@ class BatchBalancer(Callback):
             self._resumed_relocation = None
         dl = trainer.train_dataloader
         own = self.own_batch_sampler(trainer)
+        applied = False
         if own is not None and planner is not None:
             own.set_plan(planner.plan)  # the next epoch's plan, from step 0
             own.set_epoch(trainer.current_epoch)
+            applied = True
         elif isinstance(dl, DataLoader) and trainer.current_epoch > 0:
-            self.loaders.install(dl, trainer, train=True)
+            applied = self.loaders.install(dl, trainer, train=True)
             if self.loaders.train_sampler is not None:
                 self.loaders.train_sampler.set_epoch(trainer.current_epoch)
+        start = (list(planner.plan) if applied else self.loaders.loader_batch_sizes(trainer)) if planner else None
+        self._begin_epoch(trainer, planner, start, [], applied)
+
+    def _begin_epoch(self, trainer: pl.Trainer, planner: BalancePlanner | None, start_plan: list[int] | None,
+                     changes: list[dict[str, Any]], applied: bool) -> None:
+        """Reset the epoch's records: it runs ``start_plan`` (the loader's own batches unless ``applied``)."""
         self.timer.pop_records()
         self.timer.reset_data_clock()
         self._epoch_start = self._epoch_end = None
         self._cursor = 0
         if planner is not None:
             self._coordinate(trainer).begin_epoch()
-        self._plan_changes = []
-        self._start_plan = None if planner is None else list(planner.plan)
+        self._plan_changes = changes
+        self._start_plan = start_plan
+        self._applied = applied
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         counts = self.loaders.step_counts(trainer, batch_idx)
@@ -337,6 +378,14 @@ class BatchBalancer(Callback):
             write_relocation=functools.partial(write_torchrun_relocation, trainer, self.options, self._warn_once),
         )
         assert entry is not None  # records are padded, so every epoch gets an entry
+        entry["plan_applied"] = self._applied
+        if not self.loaders.can_balance(trainer.train_dataloader):
+            # The loader keeps its own batches (a sampler or dataset the balancer cannot split): report the
+            # batches it will run, not a plan that would never be applied.
+            used = self.loaders.loader_batch_sizes(trainer)
+            planner.plan = list(used)
+            planner.predicted_step_time = planner.predict_step_time(used)
+            entry.update(next_batch_sizes=list(used), plan_changed=False, predicted_gain=0.0)
         if entry.get("relocation") and entry["relocation"].get("checkpoint"):
             restart_for_relocation(trainer, entry["relocation"])
         for col, key in enumerate(_STATS):
@@ -345,6 +394,7 @@ class BatchBalancer(Callback):
             metrics = {f"hetero/batch_size/rank_{r}": float(b) for r, b in enumerate(entry["batch_sizes"])}
             for key in ("gpu_util", "cpu_percent"):
                 metrics.update({f"hetero/{key}/rank_{r}": v for r, v in enumerate(entry[key]) if v is not None})
+            metrics["hetero/plan_applied"] = float(entry["plan_applied"])
             metrics["hetero/straggler_level"] = float(entry["straggler_level"])
             metrics["hetero/idle_fraction"] = float(entry["idle_fraction"])
             if entry["samples_per_s"] is not None:

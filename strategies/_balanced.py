@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 
+from hetero_plugins.balancing.options import BalancingOptions, check_keywords
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 
-__all__ = ["BalancedStrategyMixin"]
+__all__ = ["BalancedStrategyMixin", "check_strategy_keywords"]
+
+#: Parameters a strategy's keywords never set: ``self``, the catch-all, and what Lightning passes to DDP itself.
+_NOT_KEYWORDS = {"self", "args", "kwargs", "module", "device_ids"}
+
+
+def check_strategy_keywords(owner: str, kwargs: Mapping[str, Any], *takers: Callable[..., Any]) -> None:
+    """Raise a ``TypeError`` for a keyword of ``kwargs`` that none of ``takers`` (the strategy's own
+    ``__init__``, its base strategy's, the wrapper it passes the rest to) accepts, nor ``BalancingOptions``.
+
+    Run at construction: a mistyped option (``allocater=``) would otherwise reach ``DistributedDataParallel``
+    in every rank and fail there.
+    """
+    accepted = {f.name for f in dataclasses.fields(BalancingOptions)} | {"policy"}
+    for taker in takers:
+        accepted |= {n for n, p in inspect.signature(taker).parameters.items()
+                     if n not in _NOT_KEYWORDS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    check_keywords(owner, kwargs, accepted, "BalancingOptions, the strategy and what it passes the rest to "
+                   f"({', '.join(getattr(t, '__qualname__', str(t)) for t in takers)})")
 
 
 class BalancedStrategyMixin:

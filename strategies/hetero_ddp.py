@@ -8,9 +8,12 @@ Registered as ``"hetero_ddp"`` (processes started like ``"ddp"``) and ``"hetero_
 
 It bundles a :class:`~hetero_plugins.callbacks.BatchBalancer`: the balanced sampler is installed from the
 first epoch (train, and validation/test/predict with ``balance_eval=True``), the weighted comm hook is
-registered in ``configure_ddp`` (Lightning's ``ddp_comm_hook=`` is dropped on CPU), and the plan and time
-models are part of the checkpoint. The user's ``DataLoader(batch_size=b)`` means b per rank at the start; the
-global batch b x world_size stays constant.
+registered in ``configure_ddp`` (Lightning's ``ddp_comm_hook=`` is dropped on CPU), and the plan, the time
+models and the train loader's position are part of the checkpoint (a mid-epoch resume runs each remaining
+sample of the epoch once; a resume on another number of ranks re-seeds the plan). A keyword that neither
+the balancing options nor ``DDPStrategy`` / ``DistributedDataParallel`` take is refused at construction. The
+user's ``DataLoader(batch_size=b)`` means b per rank at the start; the global batch b x world_size stays
+constant.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.collectives import TorchCollectives
 from hetero_plugins.strategies._aggregation import AggregationMixin
-from hetero_plugins.strategies._balanced import BalancedStrategyMixin
+from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
 
 __all__ = ["HeteroDDPStrategy"]
 
@@ -76,6 +79,8 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        check_strategy_keywords("HeteroDDPStrategy", kwargs, HeteroDDPStrategy.__init__, DDPStrategy.__init__,
+                                torch.nn.parallel.DistributedDataParallel.__init__)
         options = BalancingOptions.from_kwargs(balancing, kwargs)
         if "ddp_comm_hook" in kwargs:
             raise ValueError(

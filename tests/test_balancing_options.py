@@ -52,6 +52,24 @@ def test_options_are_checked_once_on_construction(kwargs, match):
         BalancingOptions(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["locality", "balance_eval", "log_metrics"])
+def test_flags_refuse_strings_instead_of_reading_them_as_true(name):
+    for make in (BalancingOptions, BatchBalancer, HeteroDDPStrategy):
+        with pytest.raises(ValueError, match=f"`{name}` must be True or False, got 'no'.*HINT"):
+            make(**{name: "no"})
+    assert getattr(BalancingOptions(**{name: False}), name) is False
+    assert getattr(BalancingOptions(**{name: 0}), name) is False  # the integers 0 and 1 stay accepted
+
+
+def test_mistyped_keyword_names_the_closest_option():
+    with pytest.raises(TypeError, match="BatchBalancer got an unexpected keyword argument 'allocater'. HINT: did "
+                                        "you mean 'allocator'"):
+        BatchBalancer(allocater="lbb")
+    with pytest.raises(TypeError, match="HeteroDDPStrategy got an unexpected keyword argument 'halflife'. HINT: "
+                                        "did you mean 'half_life'"):
+        HeteroDDPStrategy(halflife=3)
+
+
 def test_options_are_frozen_typed_and_normalised(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("a:1\n")

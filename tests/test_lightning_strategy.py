@@ -70,6 +70,7 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
     assert first["step"] <= 10 and first["batch_sizes"][1] < 10 and sum(first["batch_sizes"]) == 32
     assert hist[1]["batch_sizes"][1] < 10 and sum(hist[1]["batch_sizes"]) == 32
     assert hist[-1]["straggler_level"] < 0.3
+    assert all(h["plan_applied"] for h in hist)
     assert reports[0]["hook_calls"] > 0
     # Each rank really ran the planned local batch of every step (plan changes included), and all ranks the
     # same number of steps.
@@ -108,6 +109,7 @@ def test_callback_beside_stock_ddp(tmp_path):
     hist = reports[0]["plan_history"]
     assert hist == reports[1]["plan_history"]
     assert hist[0]["batch_sizes"] == [16, 16]  # the first epoch runs on Lightning's own sampler
+    assert [h["plan_applied"] for h in hist] == [False, True, True]
     assert hist[1]["batch_sizes"][0] < 10 and sum(hist[1]["batch_sizes"]) == 32  # rank 0 is the slow one here
     assert reports[0]["hook_calls"] > 0  # the callback registered its weighted hook on stock DDP
     assert set(reports[0]["batches"]["2"]) <= {hist[2]["batch_sizes"][0]} | {min(reports[0]["batches"]["2"])}
@@ -134,6 +136,27 @@ def test_resume_keeps_plan_and_time_models(tmp_path):
     hist = read_reports(str(second), 2)[0]["plan_history"]
     assert len(hist) == 3 and hist[:2] == saved["history"]
     assert hist[2]["batch_sizes"] == saved["plan"]  # the resumed epoch starts on the saved plan
+
+
+def test_weighted_random_sampler_reports_no_plan_applied(tmp_path, capfd):
+    from tests.balancer_jobs import StepLogMLP
+
+    pl.seed_everything(0)
+    t = trainer(tmp_path, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)],
+                max_epochs=2, limit_val_batches=0)
+    t.fit(StepLogMLP(str(tmp_path), loader="weighted", batch_size=16))
+    assert capfd.readouterr().err.count("cannot rebalance DistributedSamplerWrapper") == 1
+    reports = read_reports(str(tmp_path), 2)
+    hist = reports[0]["plan_history"]
+    assert len(hist) == 2 and hist == reports[1]["plan_history"]
+    for entry in hist:  # the plan that ran: the loader's equal batches, and no other one announced
+        assert entry["plan_applied"] is False and entry["plan_changed"] is False
+        assert entry["batch_sizes"] == entry["next_batch_sizes"] == [16, 16]
+    assert hist[1]["throughput"][0] > 2 * hist[1]["throughput"][1]  # rank 1 is slow, yet nothing can be moved
+    assert reports[0]["batch_plan"] == reports[0]["strategy_plan"] == [16, 16]
+    assert all(set(rep["batches"][e]) == {16} for rep in reports for e in ("0", "1"))
+    assert t.callback_metrics["hetero/plan_applied"].item() == 0.0
+    assert t.callback_metrics["hetero/batch_size/rank_0"].item() == 16.0
 
 
 def test_gradient_accumulation_mixed_precision_and_batchnorm_warning(tmp_path):
@@ -186,6 +209,23 @@ def test_dataset_smaller_than_global_batch(tmp_path):
 def test_bad_strategy_arguments_fail_before_any_process_starts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         HeteroDDPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(allocater="lbb"), "unexpected keyword argument 'allocater'. HINT: did you mean 'allocator'"),
+        (dict(find_unused_parameter=True), "'find_unused_parameter'. HINT: did you mean 'find_unused_parameters'"),
+        (dict(min_batchsize=4), "'min_batchsize'. HINT: did you mean 'min_batch_size'"),
+        (dict(device_ids=[0]), "unexpected keyword argument 'device_ids'"),
+    ],
+)
+def test_mistyped_strategy_keyword_is_named_at_construction(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        HeteroDDPStrategy(**kwargs)
+    # What DDPStrategy and DistributedDataParallel take still passes through.
+    s = HeteroDDPStrategy(find_unused_parameters=True, gradient_as_bucket_view=True, start_method="spawn")
+    assert s._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
 
 
 def test_emulator_needs_one_speed_per_rank(tmp_path):

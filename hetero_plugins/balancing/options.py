@@ -21,8 +21,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from hetero_plugins.balancing.allocators import Allocator
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.cluster import ClusterSource, resolve_cluster_source
 
-__all__ = ["BalancingOptions", "resolve_policy"]
+__all__ = ["BalancingOptions", "check_keywords", "resolve_policy"]
 
 
 def resolve_policy(allocator: str | Allocator | None, policy: str | Allocator | None) -> str | Allocator:
@@ -49,6 +50,36 @@ def resolve_policy(allocator: str | Allocator | None, policy: str | Allocator | 
         )
     chosen = policy if policy is not None else allocator
     return "equal_finish" if chosen is None else chosen
+
+
+def check_keywords(owner: str, given: Iterable[str], accepted: Iterable[str], where: str) -> None:
+    """Raise a ``TypeError`` naming the first keyword of ``given`` that is not in ``accepted`` (with the closest
+    accepted names as a "did you mean" hint), so a mistyped option fails when ``owner`` is built, not later
+    inside every rank.
+
+    Example::
+
+        >>> check_keywords("BatchBalancer", ["allocater"], ["allocator", "policy"], "BalancingOptions")
+        Traceback (most recent call last):
+        ...
+        TypeError: BatchBalancer got an unexpected keyword argument 'allocater'. HINT: did you mean 'allocator'? \
+The keywords are those of BalancingOptions.
+    """
+    names = sorted(set(accepted))
+    for key in given:
+        if key in names:
+            continue
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+        guess = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise TypeError(f"{owner} got an unexpected keyword argument {key!r}. HINT: {guess}The keywords are those "
+                        f"of {where}.")
+
+
+def _flag(name: str, value: Any, hint: str) -> bool:
+    """``value`` as a ``bool``: ``True``/``False`` (or the integers 1/0), never a string such as ``"no"``."""
+    if not isinstance(value, bool) and isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    return check_bool(name, value, hint=hint)
 
 
 @dataclass(frozen=True)
@@ -142,9 +173,10 @@ class BalancingOptions:
         )
         self._set("min_gain", float(self.min_gain))
         self._set("half_life", float(self.half_life))
-        self._set("locality", bool(self.locality))
-        self._set("balance_eval", bool(self.balance_eval))
-        self._set("log_metrics", bool(self.log_metrics))
+        self._set("locality", _flag("locality", self.locality, "True keeps each rank's shard across epochs (LOFT)"))
+        self._set("balance_eval", _flag("balance_eval", self.balance_eval,
+                                        "False leaves validation/test/predict batches equal"))
+        self._set("log_metrics", _flag("log_metrics", self.log_metrics, "False logs no hetero/* metrics"))
         if self.replan_every is not None:
             check_int("replan_every", self.replan_every, minimum=1, hint="use None to replan only at epoch ends")
         self._set("memory_headroom", check_float("memory_headroom", self.memory_headroom, minimum=0.0, maximum=1.0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -402,20 +403,44 @@ class BalancePlanner:
             "observed_steps": self._observed_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["world_size"] != self.world_size or state["global_batch"] != self.global_batch:
+    def load_state_dict(self, state: dict[str, Any], resize: bool = False) -> None:
+        """Restore a :meth:`state_dict`; with ``resize``, a state of another world size or global batch re-seeds
+        this planner instead of being refused.
+
+        Re-seeding (a run resumed on another number of ranks, or another global batch): rank i < min(saved, new)
+        ranks keeps the saved time model of rank i (its measured line: the rank is assumed to run on the same
+        device as before), a rank the saved run did not have starts without one, and the plan is decided again
+        from these models (an equal split until every rank has a line); the history is kept. A
+        ``RuntimeWarning`` says so.
+        """
+        saved_world, saved_batch = int(state["world_size"]), int(state["global_batch"])
+        resized = (saved_world, saved_batch) != (self.world_size, self.global_batch)
+        if resized and not resize:
             raise ValueError(
-                f"checkpointed plan is for world_size={state['world_size']}, global_batch={state['global_batch']}, "
-                f"but this run has world_size={self.world_size}, global_batch={self.global_batch}. "
-                "HINT: resume with the same number of ranks and batch size, or start without the balancer state."
+                f"checkpointed plan is for world_size={saved_world}, global_batch={saved_batch}, but this run has "
+                f"world_size={self.world_size}, global_batch={self.global_batch}. HINT: resume with the same number "
+                "of ranks and batch size, or pass resize=True to re-seed the plan and time models from it."
             )
-        self.plan = [int(b) for b in state["plan"]]
-        for m, s in zip(self.models, state["models"]):
+        kept = min(saved_world, self.world_size) if resized else self.world_size
+        for m, s in zip(self.models[:kept], state["models"]):
             m.load_state_dict(s)
-        self.memory_caps = list(state.get("memory_caps", [None] * self.world_size))
-        if "change_factor" in state:
+        caps = list(state.get("memory_caps", [None] * saved_world))
+        self.memory_caps = (caps + [None] * self.world_size)[: self.world_size]
+        if "change_factor" in state and not resized:  # a resized run starts its damping afresh
             self._factor = np.asarray(state["change_factor"], dtype=np.float64)
             self._last_move = np.asarray(state["last_move"], dtype=np.int64)
         self.history = list(state["history"])
-        self._predicted_step_time = state.get("predicted_step_time")
         self._observed_steps = int(state.get("observed_steps", self.warmup_steps))
+        if not resized:
+            self.plan = [int(b) for b in state["plan"]]
+            self._predicted_step_time = state.get("predicted_step_time")
+            return
+        self._decide()
+        fresh = list(range(kept, self.world_size))
+        warnings.warn(
+            f"BalancePlanner: the checkpoint is for {saved_world} ranks and a global batch of {saved_batch}; this run "
+            f"has {self.world_size} ranks and {self.global_batch}. Ranks {list(range(kept))} keep their time models"
+            f"{f', ranks {fresh} start without one (an equal share until measured)' if fresh else ''}; the plan is "
+            f"decided again: {self.plan}.",
+            RuntimeWarning, stacklevel=2,
+        )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from torch.utils.data import Sampler
 
@@ -118,6 +120,12 @@ class HeteroBatchSampler(Sampler[list[int]]):
     ``set_plan(plan, from_step=k)`` applies from step k on. Batches are drawn lazily, step by step, so a
     change reaches every step that the loader has not drawn yet (keep k beyond the loader's prefetch).
 
+    Resuming mid-epoch: :meth:`state_dict` holds the epoch, its plans and the steps done; after
+    :meth:`load_state_dict` the next iteration over that epoch starts at the first step not done, so a resumed
+    epoch runs every remaining sample exactly once (torchdata's ``StatefulDataLoader`` protocol, which
+    Lightning saves in the fit loop's checkpoint). ``len`` stays the epoch's number of steps, as Lightning
+    counts the resumed epoch's steps from the step it restarts at.
+
     Example::
 
         >>> s = HeteroBatchSampler(12, plan=[3, 3], rank=0, shuffle=False)
@@ -143,6 +151,8 @@ class HeteroBatchSampler(Sampler[list[int]]):
             num_samples, plan, rank, shuffle, seed, drop_last, locality, pad_to_world_size
         )
         self._changes: list[tuple[int, tuple[int, ...]]] = []
+        self._resume: tuple[int, int] | None = None  # (epoch, first step) of a restored mid-epoch position
+        self.steps_drawn = 0
 
     rank = property(lambda self: self.sampler.rank)
     epoch = property(lambda self: self.sampler.epoch)
@@ -185,6 +195,49 @@ class HeteroBatchSampler(Sampler[list[int]]):
             self._changes = []
         self.sampler.set_epoch(epoch)
 
+    @property
+    def start_step(self) -> int:
+        """The step the next iteration starts at: 0, or the first step not done of a restored epoch."""
+        resume = self._resume
+        return resume[1] if resume is not None and resume[0] == self.sampler.epoch else 0
+
+    def state_dict(self, steps_done: int | None = None) -> dict[str, Any]:
+        """The epoch, its plans and ``steps_done`` (default: the batches this sampler has yielded in the epoch;
+        a loader that draws ahead passes the steps it has delivered)."""
+        s = self.sampler
+        return {
+            "epoch": s.epoch, "num_samples": s.num_samples, "plan": list(s.plan),
+            "plan_changes": [[k, list(p)] for k, p in self._changes],
+            "steps_done": self.steps_drawn if steps_done is None else int(steps_done),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: the next iteration over its epoch starts at its first step not done.
+
+        A state saved with another number of ranks, global batch or dataset length cannot place the remaining
+        samples in this sampler's steps: its plan is ignored (with a ``RuntimeWarning``) and the epoch's
+        remaining steps are this sampler's own from the same step on.
+        """
+        s = self.sampler
+        plan = [int(b) for b in state["plan"]]
+        steps = int(state["steps_done"])
+        same = (len(plan) == len(s.plan) and sum(plan) == sum(s.plan)
+                and int(state.get("num_samples", s.num_samples)) == s.num_samples)
+        if same:
+            s.set_plan(plan)
+            self._changes = [(int(k), tuple(int(b) for b in p)) for k, p in state.get("plan_changes", [])]
+        elif 0 < steps < s.layout.steps:
+            warnings.warn(
+                f"HeteroBatchSampler: the saved position (epoch {state['epoch']}, step {steps}) is for "
+                f"{len(plan)} ranks, a global batch of {sum(plan)} and {state.get('num_samples')} samples; this run "
+                f"has {len(s.plan)} ranks, {sum(s.plan)} and {s.num_samples}: the epoch resumes at step {steps} of "
+                "this run's order, so some samples of it may run twice or not at all. HINT: resume a mid-epoch "
+                "checkpoint with the same world size and batch size, or from an end-of-epoch checkpoint.",
+                RuntimeWarning, stacklevel=2,
+            )
+        s.set_epoch(int(state["epoch"]))
+        self._resume = (s.epoch, steps)
+
     def plan_at(self, step: int) -> tuple[int, ...]:
         plan = self.sampler.plan
         for start, p in self._changes:
@@ -219,18 +272,23 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
+        first = self.start_step  # read when the first batch is drawn, after the loop set the epoch
+        self._resume = None
+        self.steps_drawn = first
         if s.locality:
             shard = list(s)
             b = s.batch_size
-            for start in range(0, len(shard), b):
+            for start in range(first * b, len(shard), b):
+                self.steps_drawn += 1
                 yield shard[start : start + b]
             return
         layout = s.layout
         order = ddp_order(s.num_samples, layout.padding, s.epoch, s.seed, s.shuffle)
         global_batch = sum(layout.plan)
-        for k in range(layout.steps):
+        for k in range(first, layout.steps):
             counts = self.step_counts(k)  # read now: a change made while iterating applies to later steps
             lo = k * global_batch + sum(counts[: s.rank])
+            self.steps_drawn += 1
             yield order[lo : lo + counts[s.rank]].tolist()
 
     def __len__(self) -> int:
