@@ -230,12 +230,24 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
             return
         trainer = module.trainer
         if trainer.training and not trainer.fit_loop._should_accumulate():
+            bounded = self._bounded()
             for opt in self.optimizers:
+                handles = getattr(opt, "_handles", None)  # Horovod's {parameter: (handle, context)}
+                if isinstance(handles, dict):  # the gradient all-reduces end within the timeout, or name who hangs
+                    bounded.wait_all([h for h, _ in handles.values() if isinstance(h, int)],
+                                     "hvd.DistributedOptimizer's gradient allreduce")
                 opt.synchronize()
 
     def _collectives(self) -> HorovodExchange:
         """The explicit aggregation modes exchange through ``hvd.allreduce`` (``op=hvd.Sum``)."""
         return HorovodExchange()
+
+    def _bounded(self) -> HorovodExchange:
+        """Horovod's collectives, each waited for at most ``HETERO_PLUGINS_TIMEOUT`` seconds (a frozen rank ends the
+        job with a ``CollectiveError`` naming the operation instead of hanging it)."""
+        if getattr(self, "_exchange", None) is None:
+            self._exchange = HorovodExchange()
+        return self._exchange
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -264,7 +276,9 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         if group is not None:
             raise ValueError(f"`group`={group!r}: HeteroHorovodStrategy reduces over all ranks only; pass group=None.")
         dtype = tensor.dtype
-        out = hvd.allreduce(tensor.detach().to(torch.float64 if not dtype.is_floating_point else dtype), op=op)
+        out = self._bounded().wait(
+            hvd.allreduce_async(tensor.detach().to(torch.float64 if not dtype.is_floating_point else dtype), op=op),
+            "reduce")
         return out.to(dtype) if dtype.is_floating_point else out
 
     @override
@@ -272,16 +286,16 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         """Every rank's ``tensor`` stacked along a new leading dimension, like DDP's ``all_gather``."""
         if group is not None:
             raise ValueError(f"`group`={group!r}: HeteroHorovodStrategy gathers over all ranks only; pass group=None.")
-        return _hvd().allgather(tensor.detach().unsqueeze(0))
+        return self._bounded().wait(_hvd().allgather_async(tensor.detach().unsqueeze(0)), "all_gather")
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return _hvd().broadcast_object(obj, root_rank=src, name="hetero_horovod.broadcast")
+        return self._bounded().broadcast_object(obj, name="hetero_horovod.broadcast", root=src)
 
     @override
     def barrier(self, name: str | None = None) -> None:
         if _hvd_initialized() and self.world_size > 1:
-            _hvd().barrier()
+            self._bounded().allreduce_sum(torch.zeros(1), name="hetero_horovod.barrier")
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -40,8 +40,10 @@ def test_ranks_that_disagree_on_the_sampler_all_raise_naming_the_rank_and_the_ar
     assert took < 60
 
 
-@pytest.mark.parametrize("mode", ["weighted", "wbsp"])
+@pytest.mark.parametrize("mode", ["weighted", "wbsp", "lightning_epoch_end"])
 def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available, tmp_path, mode):
+    """``lightning_epoch_end``: ``Trainer(strategy=HeteroHorovodStrategy())``, rank 0 frozen at the end of an epoch,
+    where the strategy's own collectives (the balancer's gather and broadcast) wait for it."""
     env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
     res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
                    str(tmp_path), f"freeze:{mode}"], timeout=TIMEOUT + 100, env=env)

@@ -65,11 +65,60 @@ def freeze(out: str, mode: str) -> None:
             opt.step()
 
 
+def freeze_lightning(out: str, at_epoch_end: bool) -> None:
+    """``Trainer(strategy=HeteroHorovodStrategy())``: rank 0 stops itself at step 3 of epoch 0 (in the gradient
+    exchange's way), or at the end of epoch 0 (in the way of the strategy's own collectives: the balancer's)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from hetero_plugins.strategies import HeteroHorovodStrategy
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(320, 8, generator=g), torch.randint(0, 3, (320,), generator=g))
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=8, shuffle=True)
+
+    def stop() -> None:
+        with open(os.path.join(out, "frozen"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    class Freeze(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not at_epoch_end and trainer.global_rank == 0 and trainer.current_epoch == 0 and batch_idx == 3:
+                stop()
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if at_epoch_end and trainer.global_rank == 0 and trainer.current_epoch == 0:
+                stop()
+
+    trainer = pl.Trainer(accelerator="cpu", strategy=HeteroHorovodStrategy(), max_epochs=2, callbacks=[Freeze()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out)
+    trainer.fit(Net())
+
+
 if __name__ == "__main__":
     hvd.init()
     torch.set_num_threads(1)
     out, phase = sys.argv[1], sys.argv[2]
     if phase == "mismatch":
         mismatch(out)
+    elif phase.startswith("freeze:lightning"):
+        freeze_lightning(out, at_epoch_end=phase.endswith("epoch_end"))
     else:
         freeze(out, phase.split(":", 1)[1])
