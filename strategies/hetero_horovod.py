@@ -278,7 +278,7 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         dtype = tensor.dtype
         out = self._bounded().wait(
             hvd.allreduce_async(tensor.detach().to(torch.float64 if not dtype.is_floating_point else dtype), op=op),
-            "reduce")
+            "allreduce (the strategy's reduce)")
         return out.to(dtype) if dtype.is_floating_point else out
 
     @override
@@ -286,7 +286,8 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         """Every rank's ``tensor`` stacked along a new leading dimension, like DDP's ``all_gather``."""
         if group is not None:
             raise ValueError(f"`group`={group!r}: HeteroHorovodStrategy gathers over all ranks only; pass group=None.")
-        return self._bounded().wait(_hvd().allgather_async(tensor.detach().unsqueeze(0)), "all_gather")
+        return self._bounded().wait(_hvd().allgather_async(tensor.detach().unsqueeze(0)),
+                                    "allgather (the strategy's all_gather)")
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

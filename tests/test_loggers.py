@@ -117,9 +117,10 @@ def test_report_reads_each_thing_a_run_leaves(logged_run, tmp_path, source):
     if source in ("tensorboard", "csv"):
         assert record.lr_scale and set(record.lr_scale) == {1.0}
     figure = report.render(record, tmp_path / "report.png")
-    drawn = {"batch_sizes", "throughput", "stragglers", "summary"}
-    if source in ("folder", "checkpoint"):  # the checkpoint holds epoch times, predictions and CPU load too
-        drawn |= {"epoch_time", "utilisation"}
+    # the logs hold per-rank CPU load (hetero/cpu_percent/rank_i) beside the batch sizes and straggler metrics
+    drawn = {"batch_sizes", "throughput", "stragglers", "utilisation", "summary"}
+    if source in ("folder", "checkpoint"):  # the checkpoint holds epoch times and predictions too
+        drawn |= {"epoch_time"}
     assert {k for k, n in figure.panels.items() if n > 0} == drawn
     pixels = colored_pixels(figure)
     assert all(pixels[p] > 300 for p in drawn - {"summary"}), pixels
