@@ -109,7 +109,12 @@ def freeze_lightning(out: str, at_epoch_end: bool) -> None:
     trainer = pl.Trainer(accelerator="cpu", strategy=HeteroHorovodStrategy(), max_epochs=2, callbacks=[Freeze()],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
-    trainer.fit(Net())
+    try:
+        trainer.fit(Net())
+    except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
+        with open(os.path.join(out, f"error_rank{hvd.rank()}.txt"), "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        raise
 
 
 if __name__ == "__main__":
