@@ -60,7 +60,14 @@ from hetero_plugins.callbacks._relocation import (
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.cluster import resolve_cluster_source
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
-from hetero_plugins.telemetry import StepTimer, SystemMonitor, UtilisationSampler, memory_cap
+from hetero_plugins.telemetry import (
+    EPOCH_STATS,
+    StepTimer,
+    SystemMonitor,
+    UtilisationSampler,
+    epoch_stats,
+    memory_cap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +77,7 @@ __all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
 _OPTION_NAMES = (*(f.name for f in dataclasses.fields(BalancingOptions)), "policy")
 
 #: Per-rank system readings added to each ``plan_history`` entry (``None`` where unknown, e.g. no GPU).
-_STATS = ("cpu_percent", "gpu_util", "gpu_mem_used")
+_STATS = EPOCH_STATS
 
 
 class BatchBalancer(Callback):
@@ -440,12 +447,7 @@ class BatchBalancer(Callback):
         """This rank's readings for the epoch's history entry: GPU utilisation and memory averaged over the epoch
         where NVML reads them (a single reading at the epoch end says little: the GPU idles while ranks
         synchronise), CPU load since the last reading."""
-        sampler = self._utilisation(trainer)
-        sampler.stop()
-        stats = dict(self._monitor(trainer).read())
-        means = sampler.epoch_means()
-        stats.update({k: means[k] for k in ("gpu_util", "gpu_mem_used") if k in means})
-        return stats
+        return epoch_stats(self._utilisation(trainer), self._monitor(trainer))
 
     def _monitor(self, trainer: pl.Trainer) -> SystemMonitor:
         if self._system is None:

@@ -27,7 +27,10 @@ from hetero_plugins._validation import check_float
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepRecord", "StepTimer", "SystemMonitor", "UtilisationSampler", "memory_cap"]
+__all__ = ["EPOCH_STATS", "StepRecord", "StepTimer", "SystemMonitor", "UtilisationSampler", "epoch_stats", "memory_cap"]
+
+#: Per-rank readings each ``plan_history`` entry holds (a list over ranks, ``None`` where not measured).
+EPOCH_STATS = ("cpu_percent", "gpu_util", "gpu_mem_used")
 
 
 @dataclass(frozen=True)
@@ -265,3 +268,14 @@ class UtilisationSampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def epoch_stats(sampler: UtilisationSampler, monitor: SystemMonitor) -> dict[str, float]:
+    """This rank's readings for an epoch's history entry: GPU utilisation and memory averaged over the epoch by
+    ``sampler`` (stopped here) where NVML reads them (a single reading at the epoch end says little: the GPU
+    idles while ranks synchronise), CPU load since ``monitor``'s last reading."""
+    sampler.stop()
+    stats = dict(monitor.read())
+    means = sampler.epoch_means()
+    stats.update({k: means[k] for k in ("gpu_util", "gpu_mem_used") if k in means})
+    return stats

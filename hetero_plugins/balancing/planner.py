@@ -42,6 +42,15 @@ log = logging.getLogger(__name__)
 __all__ = ["BalancePlanner"]
 
 
+def _row_medians(x: np.ndarray) -> np.ndarray:
+    """``np.median(x, axis=1)`` through one sort (several times faster for many short rows)."""
+    if x.shape[1] == 0 or np.isnan(x).any():
+        return np.median(x, axis=1)
+    s = np.sort(x, axis=1)
+    m = x.shape[1]
+    return 0.5 * (s[:, (m - 1) // 2] + s[:, m // 2])
+
+
 class BalancePlanner:
     """Per-epoch planner of per-rank batch sizes for a fixed global batch.
 
@@ -301,7 +310,7 @@ class BalancePlanner:
             with np.errstate(invalid="ignore", divide="ignore"):
                 levels = np.where(mean > 0, (top - tv.min(axis=0)) / mean, 0.0)
                 idles = np.where(top > 0, (top - tv).mean(axis=0) / top, 0.0)
-            per_rank_compute = np.median(tv, axis=1).tolist()
+            per_rank_compute = _row_medians(tv).tolist()
             per_rank_throughput = (bv.sum(axis=1) / np.maximum(tv.sum(axis=1), 1e-12)).tolist()
         else:
             levels = idles = np.zeros(0)
@@ -374,7 +383,8 @@ class BalancePlanner:
         proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)
         proposal = self._damp([int(b) for b in proposal], self._trust_bounds(bounds, current))
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
-        out_of_bounds = any(not lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch))
+        cur = np.asarray(current)
+        out_of_bounds = bool(((cur < np.asarray(bounds.min_batch)) | (cur > np.asarray(bounds.max_batch))).any())
         gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
         sure = gain
         if self.noise_margin > 0 and gain > self.min_gain:

@@ -9,6 +9,7 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.lines import TimeModelLines
+from hetero_plugins.balancing.time_block import BLOCK_STEPS, observe_block
 
 __all__ = ["TimeModelBank"]
 
@@ -165,6 +166,24 @@ class TimeModelBank:
         self._lam = np.power(0.5, 1.0 / self.half_life)  # per observation
         self._forget = np.power(0.5, self.window / self.half_life)
         self._last_steps[rows_all] = valid.sum(axis=1)
+        if self.change_steps == 0 or b.shape[1] < 2:
+            self._observe_steps(rows_all, b, t, valid)
+            return
+        for start in range(0, b.shape[1], BLOCK_STEPS):
+            bb, tb, vb = (x[:, start:start + BLOCK_STEPS] for x in (b, t, valid))
+            # One batch size (held-back steps included) and only valid steps: the block update; otherwise step
+            # by step.
+            held = np.arange(self._pb.shape[1])[None, :] < self._np[rows_all][:, None]
+            block = vb.all(axis=1) & (bb == bb[:, :1]).all(axis=1) & (~held | (self._pb[rows_all] == bb[:, :1])).all(
+                axis=1)
+            if block.any():
+                observe_block(self, rows_all[block], bb[block, 0], tb[block])
+            if not block.all():
+                rest = ~block
+                self._observe_steps(rows_all[rest], bb[rest], tb[rest], vb[rest])
+
+    def _observe_steps(self, rows_all: np.ndarray, b: np.ndarray, t: np.ndarray, valid: np.ndarray) -> None:
+        """The step-by-step update (one step of every rank at a time)."""
         for j in range(b.shape[1]):
             ok = valid[:, j]
             if not ok.any():

@@ -38,7 +38,7 @@ from hetero_plugins.horovod.elastic import (
 )
 from hetero_plugins.horovod.exchange import get_exchange
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
-from hetero_plugins.telemetry import StepTimer
+from hetero_plugins.telemetry import EPOCH_STATS, StepTimer, SystemMonitor, UtilisationSampler, epoch_stats
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
             and a mid-epoch ``replan_every`` are refused. Relocations are written to ``restart_spec``; with
             ``hosts_file``, rank 0 applies one by rewriting that file and Horovod resets onto the new hosts.
         exchange: ``"auto"``, ``"horovod"`` or ``"mpi"`` (see :func:`get_exchange`).
+        utilisation: what samples this rank's GPU utilisation and memory over each epoch (means stored per rank
+            in ``plan_history`` as ``gpu_util`` and ``gpu_mem_used``, beside ``cpu_percent``); default a
+            :class:`~hetero_plugins.telemetry.UtilisationSampler` on the current CUDA device (read at the first
+            batch, after ``torch.cuda.set_device``), a no-op without a GPU.
         **options: the balancing options as keywords (``allocator="lbb"``, ``min_batch_size=8``, ...).
 
     Attributes:
@@ -94,8 +98,14 @@ class HeteroBatchSampler(Sampler[list[int]]):
         *,
         balancing: BalancingOptions | None = None,
         exchange: str = "auto",
+        utilisation: UtilisationSampler | None = None,
         **options: Any,
     ) -> None:
+        if utilisation is not None and not isinstance(utilisation, UtilisationSampler):
+            raise TypeError(f"`utilisation` must be a UtilisationSampler or None, got {type(utilisation).__name__}. "
+                            "HINT: leave it out for NVML readings on the current CUDA device.")
+        self._utilisation = utilisation
+        self._monitor: SystemMonitor | None = None
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.local_batch_size = check_int("batch_size", batch_size, minimum=1, hint="the per-rank batch size at the start")
         opts = BalancingOptions.from_kwargs(balancing, options)
@@ -317,6 +327,7 @@ class HeteroBatchSampler(Sampler[list[int]]):
         before it ends, if the loader draws ahead)."""
         if self._epoch_start is None:
             self._epoch_start = time.perf_counter()
+            self._telemetry()[0].start()
         if self._open:
             self._pending.append(batch_size)  # a DataLoader with workers draws batches ahead
         else:
@@ -421,9 +432,29 @@ class HeteroBatchSampler(Sampler[list[int]]):
         elapsed = (self._epoch_end - self._epoch_start) if self._epoch_start and self._epoch_end else 0.0
         self._epoch_start = self._epoch_end = None
         hosts = None if self._hosts is None else [k.rsplit("[", 1)[0] for k in self._hosts]
-        self.coordinator.end_epoch(self._epoch, records, elapsed, hosts=hosts,
-                                   write_relocation=functools.partial(relocate_by_hosts_file, self.restart_spec,
-                                                                      self.hosts_file))
+        stats = epoch_stats(*self._telemetry())
+        entry = self.coordinator.end_epoch(self._epoch, records, elapsed, hosts=hosts,
+                                           local_extra=[float(stats.get(k, -1.0)) for k in EPOCH_STATS],
+                                           write_relocation=functools.partial(relocate_by_hosts_file,
+                                                                              self.restart_spec, self.hosts_file))
+        if entry is not None:
+            for col, key in enumerate(EPOCH_STATS):
+                entry[key] = [None if v < 0 else float(v) for v in self.coordinator.extras[:, col]]
+
+    def _telemetry(self) -> tuple[UtilisationSampler, SystemMonitor]:
+        """This rank's epoch sampler and CPU monitor, on the current CUDA device where torch sees one."""
+        if self._utilisation is None or self._monitor is None:
+            gpu = None
+            try:
+                import torch
+
+                gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+            except Exception:  # no driver or a broken CUDA install: CPU readings only
+                gpu = None
+            if self._utilisation is None:
+                self._utilisation = UtilisationSampler(gpu)
+            self._monitor = SystemMonitor(gpu)
+        return self._utilisation, self._monitor
 
     def _reconcile_hosts(self) -> None:
         """With a cluster description: follow each rank's slot across elastic resets (collective).

@@ -28,6 +28,12 @@ def test_hooks_exact_balanced_every_sample_once(horovodrun, tmp_path):
     assert all(f"`{k}`" in msg and "HINT" in msg for k, msg in res["refused"].items())
     hist = res["hooks_history"]  # timed through the public hooks batch_drawn/backward_done/step_done
     assert [h["epoch"] for h in hist] == [0, 1] and hist[-1]["next_batch_sizes"][0] > hist[-1]["next_batch_sizes"][1]
+    # Per-rank epoch means of the utilisation readings (injected), and CPU load, in every entry on every rank.
+    for h in hist:
+        assert h["gpu_util"] == [40.0, 60.0] and h["gpu_mem_used"] == [1e9, 2e9], h
+        assert len(h["cpu_percent"]) == 2 and all(v is not None and v >= 0 for v in h["cpu_percent"])
+    # Without a GPU the default sampler reads nothing: no made-up utilisation.
+    assert all(h["gpu_util"] == [None, None] for h in res["plan_history"])
 
 
 def test_lightning_strategy(horovodrun, tmp_path):

@@ -23,6 +23,7 @@ import hetero_plugins.horovod as hh
 from hetero_plugins.apps.digits import digits_datasets
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.emulation import EmulationModel
+from hetero_plugins.telemetry import UtilisationSampler
 
 TOL = 1e-9
 
@@ -133,8 +134,11 @@ def main(out_path: str) -> None:
     summary["max_diff_accumulation"] = worst2
 
     # ---- phase 3: the balancing options as one object, and the options this sampler refuses
+    # Readings injected as a GPU would give them (rank 0 at 40% and 1 GB, rank 1 at 60% and 2 GB).
+    readings = UtilisationSampler(read=lambda: {"gpu_util": 40.0 + 20 * rank, "gpu_mem_used": 1e9 * (rank + 1)},
+                                  interval=0.005)
     s3 = hh.HeteroBatchSampler(96, batch_size=4, balancing=BalancingOptions(allocator="lbb", min_batch_size=2,
-                                                                          replan_every=None))
+                                                                          replan_every=None), utilisation=readings)
     s4 = hh.HeteroBatchSampler(96, batch_size=4, allocator="lbb", min_batch_size=2)
     assert s3.options == BalancingOptions(allocator="lbb", min_batch_size=2, replan_every=None), s3.options
     assert s3.planner.allocator.name == s4.planner.allocator.name == "lbb"
