@@ -86,6 +86,8 @@ class BatchBalancer(Callback):
     Args:
         balancing: the balancing options, see :class:`~hetero_plugins.balancing.options.BalancingOptions`
             (``hosts_file`` is for ``horovodrun`` scripts and refused here).
+        utilisation: what samples this rank's GPU utilisation and memory over each epoch (default a
+            :class:`~hetero_plugins.telemetry.UtilisationSampler` on the strategy's CUDA device, a no-op on CPU).
         **options: the same options as keywords (``allocator="lbb"``, ``policy="auto"``, ``min_batch_size=8``,
             ...), as an alternative to ``balancing``.
 
@@ -113,7 +115,11 @@ class BatchBalancer(Callback):
         8
     """
 
-    def __init__(self, balancing: BalancingOptions | None = None, **options: Any) -> None:
+    def __init__(self, balancing: BalancingOptions | None = None, *, utilisation: UtilisationSampler | None = None,
+                 **options: Any) -> None:
+        if utilisation is not None and not isinstance(utilisation, UtilisationSampler):
+            raise TypeError(f"`utilisation` must be a UtilisationSampler or None, got {type(utilisation).__name__}. "
+                            "HINT: leave it out for NVML readings on the strategy's CUDA device.")
         opts = BalancingOptions.from_kwargs(balancing, options)
         check_keywords("BatchBalancer", options, _OPTION_NAMES,
                        "hetero_plugins.balancing.BalancingOptions (and `policy`)")
@@ -140,7 +146,7 @@ class BatchBalancer(Callback):
         self._epoch_end: float | None = None
         self._warned: set[str] = set()
         self._system: SystemMonitor | None = None
-        self._sampler: UtilisationSampler | None = None
+        self._sampler: UtilisationSampler | None = utilisation
 
     # ------------------------------------------------------------------ public surface
     @property

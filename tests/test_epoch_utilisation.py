@@ -34,9 +34,8 @@ class Tiny(pl.LightningModule):
 
 def test_the_history_holds_the_mean_of_the_readings_taken_during_the_epoch(tmp_path) -> None:
     readings = itertools.cycle([{"gpu_util": 20.0, "gpu_mem_used": 1e9}, {"gpu_util": 80.0, "gpu_mem_used": 3e9}])
-    balancer = BatchBalancer()
     # what the balancer builds on a GPU, with readings injected in place of NVML
-    balancer._sampler = UtilisationSampler(read=lambda: next(readings), interval=60.0)
+    balancer = BatchBalancer(utilisation=UtilisationSampler(read=lambda: next(readings), interval=60.0))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[balancer], logger=CSVLogger(tmp_path),
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(Tiny())
