@@ -10,6 +10,7 @@ frozen rank stops Horovod's background loop after ``HOROVOD_GLOO_TIMEOUT_SECONDS
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import pickle
 import socket
@@ -26,6 +27,8 @@ from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 
 __all__ = ["HorovodExchange", "MPIExchange", "get_exchange"]
 
+log = logging.getLogger(__name__)
+
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 
@@ -41,9 +44,9 @@ class HorovodExchange:
     Args:
         timeout: seconds a collective may wait for the other ranks (default :func:`default_timeout`:
             ``$HETERO_PLUGINS_TIMEOUT``, else 600); past it, or when Horovod reports a failure, it raises
-            :class:`~hetero_plugins.collectives.CollectiveError` naming the collective (and the other rank, of
-            two). In an elastic job the error is also a ``HorovodInternalError``, so ``hvd.elastic.run``
-            still resets.
+            :class:`~hetero_plugins.collectives.CollectiveError` naming the collective and the rank that did not
+            answer: the other one of two; of more, the ranks that missed a liveness probe (:meth:`probe`). In an
+            elastic job the error is also a ``HorovodInternalError``, so ``hvd.elastic.run`` still resets.
     """
 
     kind = "horovod"
@@ -51,6 +54,7 @@ class HorovodExchange:
     def __init__(self, timeout: float | None = None) -> None:
         self._store_host: str | None = None
         self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self._pending: list[Any] = []  # the MPI probe's open requests
 
     def rank(self) -> int:
         return int(_hvd().rank())
@@ -133,14 +137,45 @@ class HorovodExchange:
         job (or for Horovod's own failure) it is also a ``HorovodInternalError``, which ``hvd.elastic.run`` handles."""
         hvd = _hvd()
         rank, size = int(hvd.rank()), int(hvd.size())
-        suspects = [1 - rank] if size == 2 else None
+        suspects: list[int] | None = [1 - rank] if size == 2 else None
+        answered = None
         timeout = self.timeout if err is None else None
         cause = None if err is None else str(err)
         internal = _internal_error_type()
         elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if size > 2 and (err is None or not elastic):  # an elastic job resets on Horovod's own failures at once
+            suspects, answered = self.probe(operation)
         if internal is not None and (isinstance(err, internal) or (err is None and elastic)):
-            return _HorovodCollectiveError(rank, operation, suspects, timeout=timeout, cause=cause)
-        return CollectiveError(rank, operation, suspects, timeout=timeout, cause=cause)
+            return _HorovodCollectiveError(rank, operation, suspects or None, timeout=timeout, cause=cause,
+                                           answered=answered)
+        return CollectiveError(rank, operation, suspects or None, timeout=timeout, cause=cause, answered=answered)
+
+    def probe(self, operation: str) -> tuple[list[int] | None, list[int] | None]:
+        """After a failed collective: which other ranks are silent, and which answered (this one included), by a
+        liveness probe of :func:`~hetero_plugins.collectives.probe_window` seconds at most
+        (:func:`~hetero_plugins.collectives.probe_silent`), over the side channel the job has: the key-value
+        store of Horovod's rendezvous server (``horovodrun --gloo``, served by the launcher, so it answers
+        whichever rank froze), else MPI's point-to-point messages (Horovod on MPI, with ``mpi4py``).
+        ``(None, None)`` where neither is there."""
+        hvd = _hvd()
+        rank, size, window = int(hvd.rank()), int(hvd.size()), probe_window(self.timeout)
+        address = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+        if address and port:
+            try:
+                return _rendezvous_probe(address, int(port), rank, size, window)
+            except (OSError, ValueError) as err:
+                log.warning("hetero_plugins: the liveness probe after %s could not reach Horovod's rendezvous "
+                            "server at %s:%s (%s)", operation, address, port, err)
+                return None, None
+        try:
+            mpi = bool(hvd.mpi_enabled())
+            from mpi4py import MPI
+        except (ImportError, AttributeError, ValueError):
+            return None, None
+        if not mpi or not MPI.Is_initialized():
+            return None, None
+        return _mpi_probe(MPI.COMM_WORLD, rank, size, window, self._pending)
 
 
 class MPIExchange:
@@ -346,6 +381,41 @@ def _mpi_probe(comm: Any, rank: int, size: int, window: float,
         return silent, answered
     except Exception:  # noqa: BLE001 - no probe: the error says so instead of naming anyone
         return None, None
+
+
+#: The scope of the liveness probe's keys in Horovod's rendezvous server (one key per rank that answered).
+_PROBE_SCOPE = "hetero_plugins_alive"
+
+
+def _rendezvous_probe(address: str, port: int, rank: int, size: int,
+                      window: float) -> tuple[list[int], list[int]]:
+    """:func:`probe_silent` over the key-value store of Horovod's rendezvous server: a rank answers by putting
+    its key (the server clears its keys at every elastic rendezvous, so a key is this world's)."""
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
+
+    base = f"http://{address}:{port}/{_PROBE_SCOPE}"
+    limit = max(1.0, min(3.0, window / 2))
+
+    def announce() -> None:
+        request = Request(f"{base}/{rank}", data=b"1", method="PUT")
+        with urlopen(request, timeout=limit) as reply:
+            reply.read()
+
+    def present(r: int) -> bool:
+        try:
+            with urlopen(f"{base}/{r}", timeout=limit) as reply:
+                reply.read()
+                return True
+        except HTTPError as err:
+            if err.code == 404:
+                return False
+            raise
+
+    def heard() -> list[int]:
+        return [r for r in range(size) if r != rank and present(r)]
+
+    return probe_silent(rank, size, announce, heard, window, poll=0.2)
 
 
 def _pickled(obj: Any) -> torch.Tensor:
