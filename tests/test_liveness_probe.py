@@ -63,6 +63,8 @@ def test_the_error_names_the_silent_ranks_or_else_the_ones_that_answered():
     assert "rank 2 gave up on allreduce 'x' after 10 s: rank 1 did not answer" in named
     unknown = str(CollectiveError(2, "allreduce 'x'", None, timeout=10.0, answered=[0, 1, 2, 3]))
     assert "ranks 0, 1, 2, 3 answered a liveness probe; any other rank is suspect" in unknown and "HINT" in unknown
+    alone = str(CollectiveError(2, "allreduce 'x'", None, timeout=10.0, answered=[2]))  # no probe could run
+    assert "only rank 2 (this one) is known to be alive" in alone and "every other rank is suspect" in alone
     assert "another rank did not answer" in str(CollectiveError(2, "allreduce 'x'", None, timeout=10.0))
 
 

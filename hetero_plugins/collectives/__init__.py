@@ -109,7 +109,7 @@ class CollectiveError(RuntimeError):
         timeout: the deadline that passed, in seconds (``None``: the operation failed before it).
         cause: the transport's own error text.
         answered: where ``suspects`` cannot be told, the ranks known to be alive (they answered a liveness
-            probe); the message then names them and calls the rest suspect.
+            probe; ``[rank]`` alone: no probe could run); the message then names them and calls the rest suspect.
 
     Example::
 
@@ -127,6 +127,9 @@ class CollectiveError(RuntimeError):
                 else f"{operation} failed on rank {rank}")
         if self.suspects:
             who = f"{_ranks(self.suspects)} did not answer (frozen, dead or unreachable)"
+        elif self.answered == [int(rank)]:
+            who = (f"only rank {rank} (this one) is known to be alive: no liveness probe could reach the other ranks, "
+                   "so every other rank is suspect (frozen, dead, unreachable, or in a different collective)")
         elif self.answered is not None:
             who = (f"{_ranks(self.answered)} answered a liveness probe; any other rank is suspect (frozen, dead, "
                    "unreachable, or in a different collective)")

@@ -145,6 +145,7 @@ class HorovodExchange:
         elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
         if size > 2 and (err is None or not elastic):  # an elastic job resets on Horovod's own failures at once
             suspects, answered = self.probe(operation)
+            answered = [rank] if answered is None else answered  # no probe: say so, every other rank is suspect
         if internal is not None and (isinstance(err, internal) or (err is None and elastic)):
             return _HorovodCollectiveError(rank, operation, suspects or None, timeout=timeout, cause=cause,
                                            answered=answered)
@@ -279,6 +280,7 @@ class MPIExchange:
         answered = None
         if size > 2:
             suspects, answered = _mpi_probe(self.comm, rank, size, probe_window(self.timeout), self._pending)
+            answered = [rank] if answered is None else answered
         return CollectiveError(rank, operation, suspects or None, timeout=self.timeout if err is None else None,
                                cause=None if err is None else str(err), answered=answered)
 
