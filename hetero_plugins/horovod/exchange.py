@@ -262,9 +262,18 @@ class MPIExchange:
     def wait(self, request: Any, operation: str, buffers: Any = None) -> None:
         """Wait for MPI's non-blocking ``request`` at most :attr:`timeout` seconds (``buffers``: what it reads and
         writes, kept alive if it is given up on)."""
+        from mpi4py import MPI
+
         deadline = time.monotonic() + self.timeout
         pause = 5e-5
-        while not request.Test():
+        while True:
+            try:
+                if request.Test():
+                    return
+            except MPI.Exception as err:  # a peer gone (mpi4py raises MPI's errors)
+                self._pending.append((request, buffers))
+                _abort_at_exit(self.comm)
+                raise self.failure(operation, err) from err
             if time.monotonic() > deadline:
                 self._pending.append((request, buffers))
                 _abort_at_exit(self.comm)
