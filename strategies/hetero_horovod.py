@@ -239,12 +239,14 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
                 opt.synchronize()
 
     def _collectives(self) -> HorovodExchange:
-        """The explicit aggregation modes exchange through ``hvd.allreduce`` (``op=hvd.Sum``)."""
-        return HorovodExchange()
+        """The explicit aggregation modes exchange through ``hvd.allreduce`` (``op=hvd.Sum``), on the strategy's one
+        bounded exchange (:meth:`_bounded`)."""
+        return self._bounded()
 
     def _bounded(self) -> HorovodExchange:
         """Horovod's collectives, each waited for at most ``HETERO_PLUGINS_TIMEOUT`` seconds (a frozen rank ends the
-        job with a ``CollectiveError`` naming the operation instead of hanging it)."""
+        job with a ``CollectiveError`` naming the operation instead of hanging it); one exchange, made on first use,
+        serves the strategy's own collectives, the gradient waits and the aggregation modes."""
         if getattr(self, "_exchange", None) is None:
             self._exchange = HorovodExchange()
         return self._exchange

@@ -391,8 +391,9 @@ def test_engine_deadline_without_a_hit_and_wbsp_equal_one_process_on_each_union(
                              times=FixedTimes(1.0, [1000.0, 100.0]))
         for model, stats, processed, _ in results:
             assert_models_close(model, ref)
-            # the exchange counts what it sends: the gradients and 2 * world float64 count slots
-            n = sum(p.numel() for p in model.parameters())
+            # the exchange counts what it sends: the gradients and 2 * world float64 count slots (wbsp: and one
+            # tally slot per micro-batch of the step, 3 per rank here)
+            n = sum(p.numel() for p in model.parameters()) + (2 * 3 if options.mode == "wbsp" else 0)
             assert stats.rounds == STEPS and stats.bytes == STEPS * (n + 2 * 2) * 8
         seen = sorted(i for _, _, processed, _ in results for step in processed for i in step)
         assert seen == list(range(GLOBAL * STEPS))  # every sample once

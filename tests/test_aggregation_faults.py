@@ -189,3 +189,47 @@ def test_claims_written_under_the_jobs_own_keys_raise_instead_of_losing_samples(
     with pytest.raises(ClaimError, match=r"step (\d+): the ranks processed \d+ samples .* of the 8 planned") as err:
         run_engine(Options("wbsp", micro_batches=2), sleep=sleep, times=FixedTimes(1.0, [1.0, 1.0]))
     assert tampered and f"step {tampered[0]}:" in str(err.value)
+
+
+def test_a_foreign_client_that_repeats_one_micro_batch_and_drops_another_is_named_per_unit(monkeypatch):
+    """The totals stay right: during step 1 a client that read the job's keys from ``list_keys`` moves rank 0's
+    counter back by one (its micro-batch 0 is handed out again) and rank 1's forward by one (its micro-batch 1 is
+    never handed out), every micro-batch holding one sample. Only the per-unit tally can tell."""
+    from hetero_plugins.aggregation.options import AggregationOptions as Options
+    import hetero_plugins.aggregation.wbsp as wbsp
+
+    engine_store: list = []
+    original = wbsp.open_claim_store
+
+    def capture(comm, timeout):
+        engine_store.append(original(comm, timeout))
+        return engine_store[0]
+
+    monkeypatch.setattr(wbsp, "open_claim_store", capture)
+    rank1_waits, attacked, first = threading.Event(), threading.Event(), set()
+
+    def sleep(rank, step, samples):
+        if step != 1 or rank in first:
+            return 0.0
+        first.add(rank)  # each rank's first micro-batch of step 1: its own micro-batch 0, claimed alone
+        if rank == 1:
+            rank1_waits.set()
+            assert attacked.wait(30), "the foreign client did not act"
+            return 0.0
+        assert rank1_waits.wait(30), "rank 1 did not reach step 1"
+        store = engine_store[0]
+        host, port = store.address
+        foreign = torch.distributed.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        keys = [k for k in foreign.list_keys() if re.search(r"hetero_plugins/wbsp/\d+/\d+$", k)]
+        step_key = max(keys, key=lambda k: int(k.rsplit("/", 2)[1]))  # this step's counters: the newest
+        prefix = step_key.rsplit("/", 1)[0]
+        assert foreign.add(f"{prefix}/0", -1) == 0 and foreign.add(f"{prefix}/1", 1) == 2  # both had claimed one
+        attacked.set()
+        return 0.0
+
+    with pytest.raises(ClaimError) as err:
+        run_engine(Options("wbsp", micro_batches=5), sleep=sleep, times=FixedTimes(1.0, [1.0, 1.0]))
+    message = str(err.value)
+    assert "step 1: the step's samples add up (8 of 8 planned)" in message, message
+    assert "rank 0's micro-batch 0 ran 2 times" in message and "rank 1's micro-batch 1 ran 0 times" in message
+    assert message.count(" time") == 2 and "HINT" in message, message

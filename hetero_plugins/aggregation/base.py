@@ -237,14 +237,18 @@ class SampleWeightedAggregator(Aggregator):
             )
         self.step_samples = 0
 
+    def _exchange_allreduce(self, flat: torch.Tensor) -> torch.Tensor:
+        """The exchange's one all-reduce of the flat gradients and counts (a mode may ride more slots on it)."""
+        return self._allreduce_sum(flat, f"hetero_plugins.aggregation.{self.mode}")
+
     def _backlog(self) -> int:
         """Samples this rank carries into later steps (shared with every rank through the exchange)."""
         return 0
 
     def exchange(self, ctx: StepContext) -> bool:
         counts, backlogs = sync_sample_weighted(
-            self.params, self.step_samples, ctx.planned, ctx.rank, len(ctx.counts),
-            lambda t: self._allreduce_sum(t, f"hetero_plugins.aggregation.{self.mode}"), backlog=self._backlog(),
+            self.params, self.step_samples, ctx.planned, ctx.rank, len(ctx.counts), self._exchange_allreduce,
+            backlog=self._backlog(),
         )
         self.last_counts, self.backlogs = counts, backlogs
         if sum(counts) != ctx.planned and ctx.rank == 0:

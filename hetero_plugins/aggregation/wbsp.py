@@ -18,7 +18,10 @@ planned ones and the update is exact DDP maths.
 The store is shared with whoever can reach its port, so the claims are checked against the step's plan: a
 counter no rank of the job can produce (below zero, more ranks done than there are) raises
 :class:`ClaimError` at once, and after the exchange every rank checks that the step processed exactly its
-planned samples, so a claim made from outside the job cannot drop or repeat samples silently.
+planned samples and, unit by unit, that every micro-batch of the plan was taken exactly once: each claim
+records the unit it took (:attr:`StepClaims.units`) and the ranks' tallies ride in the exchange's own
+all-reduce, which no client of the store can write. So a claim made from outside the job cannot drop or
+repeat samples silently, even one that repeats a micro-batch and drops another of the same size.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from hetero_plugins.aggregation.base import SampleWeightedAggregator, StepContext
 from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, take_rows, unit_indices
@@ -76,6 +81,8 @@ class StepClaims:
     prefix: str
     counts: Sequence[int]
     taken: dict[int, int] = field(default_factory=dict)
+    #: Every micro-batch this rank claimed in the step, as ``(owner, index)``, in claim order.
+    units: list[tuple[int, int]] = field(default_factory=list)
 
     def _key(self, owner: int) -> str:
         return f"{self.prefix}/{owner}"
@@ -92,12 +99,17 @@ class StepClaims:
     def claim(self, owner: int) -> int | None:
         """The next unclaimed micro-batch of ``owner``'s share, or ``None``."""
         n = self._add(owner, 1)
-        return n - 1 if n <= self.counts[owner] else None
+        if n > self.counts[owner]:
+            return None
+        self.units.append((owner, n - 1))
+        return n - 1
 
     def claim_many(self, owner: int, count: int) -> range:
         """The next ``count`` unclaimed micro-batches of ``owner``'s share (fewer, or none, near the end)."""
         n = self._add(owner, int(count))
-        return range(min(n - int(count), self.counts[owner]), min(n, self.counts[owner]))
+        got = range(min(n - int(count), self.counts[owner]), min(n, self.counts[owner]))
+        self.units.extend((owner, i) for i in got)
+        return got
 
     def claimed(self, owner: int) -> int:
         """Micro-batches of ``owner``'s share claimed so far (by anyone)."""
@@ -136,6 +148,26 @@ class StepClaims:
     def free_key(self) -> str:
         """Counts the ranks that have finished their own share in this step (``wbsp``)."""
         return f"{self.prefix}/free"
+
+    def tally(self) -> list[int]:
+        """How often this rank claimed each unit of the step, every rank's share in rank order (summed over
+        the ranks, every entry of a sound step is 1).
+
+        Example::
+
+            >>> class Store(dict):
+            ...     def add(self, key, n):
+            ...         self[key] = self.get(key, 0) + n
+            ...         return self[key]
+            >>> claims = StepClaims(Store(), "s", [2, 1])
+            >>> claims.claim(1), claims.claim_many(0, 2), claims.tally()
+            (0, range(0, 2), [1, 1, 1])
+        """
+        offsets = _offsets(self.counts)
+        out = [0] * offsets[-1]
+        for owner, index in self.units:
+            out[offsets[owner] + index] += 1
+        return out
 
     def keys(self, rank: int) -> list[str]:
         """The keys ``rank`` leaves in the store for this step (to delete once every rank is past it)."""
@@ -290,7 +322,9 @@ class WBSPAggregator(SampleWeightedAggregator):
     this aggregator ran (equal on every rank: each runs every step's micro-batches once), so a repeated epoch or
     step number never meets old counters. A rank deletes its keys of a step two steps later: by then every rank
     has passed the exchange of the step in between, so none still reads them. After each exchange every rank
-    checks that the step processed exactly its planned samples (:class:`ClaimError` otherwise).
+    checks that the step processed exactly its planned samples, and that every micro-batch of the plan ran
+    exactly once (the ranks' claim tallies travel in the exchange's all-reduce; :class:`ClaimError` naming the
+    micro-batches otherwise).
 
     Attributes:
         store: the claim store (opened by :meth:`setup`).
@@ -306,6 +340,9 @@ class WBSPAggregator(SampleWeightedAggregator):
         self.store: Any = None
         self._keys = ClaimKeys(keep=2)
         self._steps = 0
+        self._claims: StepClaims | None = None  # the step in progress
+        self._units: list[int] | None = None  # every rank's tally of the last exchange, summed
+        self._step_counts: tuple[int, ...] = ()  # the planned counts of the step being exchanged
 
     def setup(self, optimizers: Sequence[Any]) -> None:
         super().setup(optimizers)
@@ -324,6 +361,7 @@ class WBSPAggregator(SampleWeightedAggregator):
         claims = StepClaims(self.store, f"{CLAIM_NAMESPACE}/{self._steps}",
                             [len(micro_batch_sizes(c, parts)) for c in ctx.counts])
         self._steps += 1
+        self._claims = claims
         indices_of, fetch = ctx.indices_of, ctx.load
 
         def load(owner: int, index: int) -> tuple[Any, int]:
@@ -339,8 +377,24 @@ class WBSPAggregator(SampleWeightedAggregator):
                 self.stats.stolen += mb.samples
         self._keys.forget(self.store, claims.keys(ctx.rank))
 
+    def _exchange_allreduce(self, flat: torch.Tensor) -> torch.Tensor:
+        """The gradients and counts with this rank's unit tally (:meth:`StepClaims.tally`) appended, summed in
+        one all-reduce; the summed tally is kept for :meth:`exchange`'s check."""
+        units = sum(len(micro_batch_sizes(c, self.parts)) for c in self._step_counts)
+        mine = self._claims.tally() if self._claims is not None else []
+        tally = torch.tensor(mine if len(mine) == units else [0] * units, dtype=flat.dtype, device=flat.device)
+        joined = torch.cat([flat, tally])
+        out = super()._exchange_allreduce(joined)
+        joined = joined if out is None else out
+        self._units = [int(round(float(v))) for v in joined[flat.numel():].tolist()]
+        return joined[: flat.numel()]
+
     def exchange(self, ctx: StepContext) -> bool:
-        out = super().exchange(ctx)
+        self._step_counts = tuple(ctx.counts)
+        try:
+            out = super().exchange(ctx)
+        finally:
+            self._claims = None
         done = sum(self.last_counts or ())
         if done != ctx.planned:  # every unit is claimed exactly once, so only a foreign claim changes the sum
             raise ClaimError(
@@ -349,4 +403,24 @@ class WBSPAggregator(SampleWeightedAggregator):
                 f"{'skipped' if done < ctx.planned else 'repeated'}; "
                 f"the job's own claims hand out each micro-batch exactly once. {_TAMPERED}"
             )
+        wrong = self._wrong_units(ctx.counts)
+        if wrong:
+            raise ClaimError(
+                f"aggregation='wbsp' step {ctx.step}: the step's samples add up ({done} of {ctx.planned} planned), "
+                f"but not every micro-batch ran exactly once: {'; '.join(wrong)}; the job's own claims hand out "
+                f"each micro-batch exactly once. {_TAMPERED}"
+            )
+        return out
+
+    def _wrong_units(self, counts: Sequence[int]) -> list[str]:
+        """The units of the last exchange's tally that did not run exactly once, as ``rank r's micro-batch i
+        ran k times``."""
+        units = self._units or []
+        out, start = [], 0
+        for owner, c in enumerate(counts):
+            n = len(micro_batch_sizes(c, self.parts))
+            for index, times in enumerate(units[start : start + n]):
+                if times != 1:
+                    out.append(f"rank {owner}'s micro-batch {index} ran {times} time{'' if times == 1 else 's'}")
+            start += n
         return out

@@ -55,6 +55,8 @@ __all__ = [
     "is_transport_failure",
     "open_store",
     "open_tcp_store",
+    "probe_silent",
+    "probe_window",
 ]
 
 T = TypeVar("T")
@@ -106,6 +108,8 @@ class CollectiveError(RuntimeError):
         suspects: the ranks that did not answer, where they can be told (``None``: unknown).
         timeout: the deadline that passed, in seconds (``None``: the operation failed before it).
         cause: the transport's own error text.
+        answered: where ``suspects`` cannot be told, the ranks known to be alive (they answered a liveness
+            probe; ``[rank]`` alone: no probe could run); the message then names them and calls the rest suspect.
 
     Example::
 
@@ -114,13 +118,23 @@ class CollectiveError(RuntimeError):
     """
 
     def __init__(self, rank: int, operation: str, suspects: Sequence[int] | None = None,
-                 timeout: float | None = None, cause: str | None = None) -> None:
+                 timeout: float | None = None, cause: str | None = None,
+                 answered: Sequence[int] | None = None) -> None:
         self.rank, self.operation, self.timeout, self.cause = rank, operation, timeout, cause
         self.suspects = None if suspects is None else [int(r) for r in suspects]
+        self.answered = None if answered is None else sorted({int(r) for r in answered} | {int(rank)})
         what = (f"rank {rank} gave up on {operation} after {timeout:g} s" if timeout is not None
                 else f"{operation} failed on rank {rank}")
-        who = (f"{_ranks(self.suspects)} did not answer (frozen, dead or unreachable)" if self.suspects
-               else "another rank did not answer (frozen, dead, unreachable, or in a different collective)")
+        if self.suspects:
+            who = f"{_ranks(self.suspects)} did not answer (frozen, dead or unreachable)"
+        elif self.answered == [int(rank)]:
+            who = (f"only rank {rank} (this one) is known to be alive: no liveness probe could reach the other ranks, "
+                   "so every other rank is suspect (frozen, dead, unreachable, or in a different collective)")
+        elif self.answered is not None:
+            who = (f"{_ranks(self.answered)} answered a liveness probe; any other rank is suspect (frozen, dead, "
+                   "unreachable, or in a different collective)")
+        else:
+            who = "another rank did not answer (frozen, dead, unreachable, or in a different collective)"
         detail = f" [{_gist(cause)}]" if cause and cause.strip() else ""
         super().__init__(
             f"hetero_plugins: {what}: {who}.{detail} HINT: look at that rank's log and host (a stopped, killed or "
@@ -350,4 +364,11 @@ class _BoundedWork:
 
 
 # The store half of the seam (after every name it uses is defined).
-from hetero_plugins.collectives.store import BoundedStore, Liveness, open_store, open_tcp_store  # noqa: E402
+from hetero_plugins.collectives.store import (  # noqa: E402
+    BoundedStore,
+    Liveness,
+    open_store,
+    open_tcp_store,
+    probe_silent,
+    probe_window,
+)

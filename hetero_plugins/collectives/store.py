@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["BoundedStore", "Liveness", "open_store", "open_tcp_store"]
+__all__ = ["BoundedStore", "Liveness", "open_store", "open_tcp_store", "probe_silent", "probe_window"]
 
 
 class _Watchdog:
@@ -183,6 +183,44 @@ class Liveness:
             return [owner] if owner is not None and owner != rank else None
         quiet = [r for r in range(self.size) if r != rank and second[r] <= first[r]]
         return quiet or None
+
+
+def probe_window(timeout: float) -> float:
+    """Seconds a liveness probe after a timed-out collective waits for the other ranks: half the collective's
+    ``timeout``, at least 3 and at most 15 (the survivors of a frozen rank give up within about a step of each
+    other, so they meet in the probe)."""
+    return min(15.0, max(3.0, float(timeout) / 2))
+
+
+def probe_silent(rank: int, size: int, announce: Callable[[], None], heard: Callable[[], Iterable[int]],
+                 window: float, poll: float = 0.05) -> tuple[list[int], list[int]]:
+    """A liveness probe with no set-up, for a rank whose collective failed: who else is still alive?
+
+    ``announce()`` tells every other rank, over some side channel, that this one is alive (a key in a store
+    every rank reaches, a point-to-point message); ``heard()`` returns the ranks heard from so far. Every
+    surviving rank runs the probe once its own collective fails, so the ranks that never announce within
+    ``window`` seconds are the frozen, dead or stuck ones (Horovod's stall inspector and PyTorch's NCCL
+    flight recorder name the missing rank the same way: by who did not show up). Returns early once every
+    other rank was heard.
+
+    Returns:
+        ``(silent, answered)``: the other ranks not heard from, and the ranks heard from (this one included).
+
+    Example (every other rank already announced)::
+
+        >>> probe_silent(1, 3, announce=lambda: None, heard=lambda: [0, 2], window=1.0)
+        ([], [0, 1, 2])
+    """
+    others = set(range(int(size))) - {int(rank)}
+    announce()
+    deadline = time.monotonic() + float(window)
+    seen: set[int] = set()
+    while True:
+        seen |= set(heard()) & others
+        if seen >= others or time.monotonic() > deadline:
+            break
+        time.sleep(poll)
+    return sorted(others - seen), sorted(seen | {int(rank)})
 
 
 def _names_loopback(host: str) -> bool:

@@ -4,7 +4,9 @@
   used to lay out different epochs and wait for each other until killed; now the first ``set_epoch`` raises on
   every rank an error naming the rank that differs and in what, and the job ends.
 - A rank that freezes (``SIGSTOP``) ends the job with an error naming it and the collective, in ``"weighted"``
-  (Horovod's own gradient all-reduce) and in ``"wbsp"`` (the claim store rank 0 serves).
+  (Horovod's own gradient all-reduce) and in ``"wbsp"`` (the claim store rank 0 serves). Of three ranks with no
+  store (``"weighted"``), the survivors name the frozen one from a liveness probe over Horovod's rendezvous
+  server.
 """
 
 from __future__ import annotations
@@ -61,3 +63,28 @@ def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available,
     assert message is not None, res.stdout[-6000:]
     assert "rank 1" in message and "rank 0 did not answer" in message, message
     assert re.search(r"allreduce|allgather|broadcast|add\(", message), message
+
+
+def test_among_three_ranks_with_no_store_the_survivors_name_the_frozen_one(horovod_available, tmp_path):
+    """``"weighted"`` under ``horovodrun -np 3``: rank 1's training loop hangs (a long sleep: Horovod's background
+    thread runs on, so Horovod itself never fails) before Horovod's gradient all-reduce; rank 0 and rank 2 give
+    up after the timeout and, unable to tell who is missing from the collective itself, ask each other through
+    the rendezvous server."""
+    timeout = 6
+    env = {"HETERO_PLUGINS_TIMEOUT": str(timeout), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+    res = run_job(["-np", "3", "-H", "localhost:3", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
+                   str(tmp_path), "freeze:weighted:1:sleep"], timeout=timeout + 100, env=env)
+    ended = time.time()
+    frozen = tmp_path / "frozen"
+    assert frozen.exists(), res.stdout[-4000:]
+    after = ended - float(frozen.read_text())
+    print(f"\nweighted, 3 ranks: the job ended {after:.1f} s after rank 1 hung (timeout {timeout} s)")
+    assert res.returncode != 0
+    assert after < timeout + 60
+    messages = {r: (tmp_path / f"error_rank{r}.txt").read_text() for r in (0, 2)
+                if (tmp_path / f"error_rank{r}.txt").exists()}
+    assert messages, res.stdout[-6000:]  # the first survivor to give up ends the job (horovodrun stops the rest)
+    for r, message in messages.items():
+        assert message.startswith("CollectiveError: ") and f"rank {r}" in message, message
+        assert "rank 1 did not answer" in message, message
+        assert re.search(r"allreduce|allgather|broadcast", message), message

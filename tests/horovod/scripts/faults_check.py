@@ -5,9 +5,11 @@
     mismatch   the ranks build ``hh.HeteroBatchSampler`` differently: num_samples 240 vs 200, then batch_size 8
                vs 6. ``set_epoch`` raises on every rank (each rank writes ``mismatch_rank{r}.json`` with the two
                messages); then a third sampler differs in ``seed`` and the error is left uncaught, so the job ends.
-    freeze:M   aggregation mode M; rank 0 stops itself (SIGSTOP) at step 3 of epoch 0 after writing ``frozen``;
-               rank 1 must end with an error naming rank 0 and the collective (``HETERO_PLUGINS_TIMEOUT`` and
-               ``HOROVOD_GLOO_TIMEOUT_SECONDS`` bound the wait).
+    freeze:M[:R[:sleep]]  aggregation mode M; rank R (default 0) stops itself (SIGSTOP; with ``sleep``, its
+               training loop sleeps instead while Horovod's background thread runs on) at step 3 of epoch 0
+               after writing ``frozen``; the others must end with an error naming rank R and the collective
+               (``HETERO_PLUGINS_TIMEOUT`` and ``HOROVOD_GLOO_TIMEOUT_SECONDS`` bound the wait), which each
+               writes whole to ``error_rank{r}.txt``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def mismatch(out: str) -> None:
     hh.HeteroBatchSampler(240, batch_size=8, seed=rank).set_epoch(0)  # uncaught: the job ends on it
 
 
-def freeze(out: str, mode: str) -> None:
+def freeze(out: str, mode: str, frozen: int = 0, sleep: bool = False) -> None:
     rank = hvd.rank()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(320, 8, generator=g), torch.randint(0, 3, (320,), generator=g))
@@ -52,17 +54,24 @@ def freeze(out: str, mode: str) -> None:
     opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   named_parameters=model.named_parameters(), batch_sampler=sampler,
                                   aggregation=mode, dataset=data)
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        for step, batch in enumerate(loader):
-            if rank == 0 and epoch == 0 and step == 3:
-                with open(os.path.join(out, "frozen"), "w") as f:
-                    f.write(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGSTOP)
-            opt.zero_grad()
-            for x, y in opt.micro_batches(batch):
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for step, batch in enumerate(loader):
+                if rank == frozen and epoch == 0 and step == 3:
+                    with open(os.path.join(out, "frozen"), "w") as f:
+                        f.write(repr(time.time()))
+                    if sleep:
+                        time.sleep(3600)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                opt.zero_grad()
+                for x, y in opt.micro_batches(batch):
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
+        with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as f:
+            f.write(f"{type(err).__name__}: {err}")
+        raise
 
 
 def freeze_lightning(out: str, at_epoch_end: bool) -> None:
@@ -126,4 +135,5 @@ if __name__ == "__main__":
     elif phase.startswith("freeze:lightning"):
         freeze_lightning(out, at_epoch_end=phase.endswith("epoch_end"))
     else:
-        freeze(out, phase.split(":", 1)[1])
+        _, mode, *frozen = phase.split(":")
+        freeze(out, mode, int(frozen[0]) if frozen else 0, sleep=frozen[1:] == ["sleep"])
