@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +24,9 @@ from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.profile import profile_main
 
 
-def _children_running(pattern: str) -> list[int]:
-    """Pids of this process's children whose command line contains ``pattern`` (Linux /proc)."""
+def _children_running(pattern: str, parent: int | None = None) -> list[int]:
+    """Pids of the children of ``parent`` (default: this process) whose command line contains ``pattern``."""
+    parent = os.getpid() if parent is None else parent
     out = []
     for d in Path("/proc").glob("[0-9]*"):
         try:
@@ -29,7 +34,7 @@ def _children_running(pattern: str) -> list[int]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and pattern in cmd:
+        if ppid == parent and pattern in cmd:
             out.append(int(d.name))
     return out
 
@@ -49,6 +54,26 @@ def test_tiny_real_profile_run_writes_a_valid_table_and_leaves_no_corunner(tmp_p
         assert row["repeats"] == 2 and len(row["ratios"]) == 2 and row["solo_s"] > 0
         assert row["slowdown"] == pytest.approx(float(np.exp(np.mean(np.log(row["ratios"])))), rel=1e-3)
     assert _children_running("profile_jobs") == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc to see child processes")
+def test_sigterm_during_a_profile_run_kills_its_corunners(tmp_path: Path) -> None:
+    job = subprocess.Popen([sys.executable, "-m", "hetero_plugins.cli", "profile-interference", "--out",
+                            str(tmp_path / "t.json"), "--seconds", "5", "--workloads", "mlp", "--corunners",
+                            "compute,membw", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := _children_running("profile_jobs", job.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(pids) == 2, "the co-runners did not start"
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) != 0
+    finally:
+        job.kill()
+        job.wait()
+    time.sleep(0.2)
+    assert [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in (Path(f"/proc/{p}/stat").read_text()
+                                                                        .rsplit(")", 1)[1].split()[:1])] == []
 
 
 def _table(rows: list[dict]) -> dict:
