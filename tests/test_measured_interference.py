@@ -133,8 +133,8 @@ def test_leave_pairs_out_ncf_beats_additive_where_workloads_and_corunners_intera
     table = _low_rank_table()
     ev = leave_pairs_out(table, folds=4, settings={"epochs": 200})
     assert ev["folds"] == 4 and ev["pairs_count"] == 64 and len(ev["pairs"]) == 64
-    assert ev["ncf_mean_rel_error"] < 0.10
-    assert ev["ncf_mean_rel_error"] < 0.85 * ev["additive_mean_rel_error"]
+    assert ev["ncf_mean_rel_error"] < 0.11  # 9.3% here (2% noise); 7.3% with 8 folds and 400 epochs
+    assert ev["ncf_mean_rel_error"] < 0.8 * ev["additive_mean_rel_error"]  # additive: 13.0%
 
 
 def test_additive_baseline_is_exact_on_an_additive_table() -> None:
