@@ -90,6 +90,7 @@ ROW = {"workload": "mlp", "device": "cpu", "corunner": "io", "solo_s": 0.01, "sh
     ({"repeats": 0}, ["rows[0].repeats=0", ">= 1"]),
     ({"workload": ""}, ["rows[0].workload=''"]),
     ({"corunner": "none"}, ["corunner='none'", "solo"]),
+    ({"ratios": [1.2, -0.5]}, ["rows[0].ratios=[1.2, -0.5]", "one per repeat"]),
 ])
 def test_bad_rows_are_named_with_their_value_and_a_fix(change: dict, words: list[str]) -> None:
     with pytest.raises(ValueError) as err:
@@ -153,7 +154,8 @@ def test_shipped_table_and_its_ncf_load_and_predict() -> None:
     true = np.array([s for *_, s in rows])
     assert np.all(pred >= 1.0) and float(np.mean(np.abs(pred - true) / true)) < 0.15
     assert p.predict(rows[0][0], "cpu", None) == 1.0
-    assert "ncf_v1" not in str(p.meta) and InterferencePredictor.load().workloads != p.workloads  # beside the default
+    assert p.meta["trained"]["rows"] == len(rows) and p.meta["table_machine"] == table["machine"]
+    assert InterferencePredictor.load().workloads != p.workloads  # it sits beside the default, synthetic-table NCF
 
 
 def test_cli_trains_an_ncf_from_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

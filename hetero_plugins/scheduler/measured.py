@@ -39,8 +39,8 @@ import numpy as np
 from hetero_plugins.scheduler.ncf import InterferencePredictor
 
 __all__ = ["MEASURED_MODEL", "SHIPPED_TABLE", "additive_baseline", "format_table", "leave_pairs_out",
-           "load_measured_predictor", "load_table", "measurement_noise", "table_samples", "table_slowdowns", "train_ncf",
-           "validate_table"]
+           "load_measured_predictor", "load_table", "measurement_noise", "table_samples", "table_slowdowns",
+           "train_ncf", "validate_table"]
 
 SHIPPED_TABLE = "interference_cpu.json"
 MEASURED_MODEL = "ncf_measured_cpu.npz"
@@ -80,17 +80,19 @@ def validate_table(table: Any, label: str = "table") -> dict[str, Any]:
             v = row[field]
             if kind is str and (not isinstance(v, str) or not v.strip()):
                 raise _fix(f"{where}.{field}={v!r} must be a non-empty string.")
-            if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v <= 0):
                 raise _fix(f"{where}.{field}={v!r} must be a finite number > 0.")
             if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise _fix(f"{where}.{field}={v!r} must be an integer >= 1.")
         if row["corunner"] == "none":
-            raise _fix(f"{where}.corunner='none' is the solo run, which is not a row (its slowdown is 1 by definition).")
+            raise _fix(f"{where}.corunner='none' is the solo run, which is not a row (its slowdown is 1).")
         key = (row["workload"], row["device"], row["corunner"])
         ratios = row.get("ratios")
         if ratios is not None and (not isinstance(ratios, list) or not all(
-                isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in ratios)):
-            raise _fix(f"{where}.ratios={ratios!r} must be a list of finite numbers > 0 (one per repeat), or absent.")
+                isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                for r in ratios)):
+            raise _fix(f"{where}.ratios={ratios!r} must be a list of numbers > 0 (one per repeat), or absent.")
         if key in seen:
             raise _fix(f"{where} repeats (workload, device, corunner)={key}; each pair appears once.")
         seen.add(key)
@@ -236,8 +238,8 @@ def leave_pairs_out(table: Mapping[str, Any], folds: int | None = None, seed: in
             "measurement_rel_se": measurement_noise(table), "mean_slowdown": float(true.mean()),
             "pairs_count": n, "folds": k, "seed": seed,
             "settings": {kk: (list(v) if isinstance(v, tuple) else v) for kk, v in st.items()},
-            "pairs": [{"workload": w, "device": d, "corunner": c, "measured": s, "ncf": float(pn), "additive": float(pa)}
-                      for (w, d, c, s), pn, pa in zip(samples, pred_ncf, pred_add)]}
+            "pairs": [{"workload": w, "device": d, "corunner": c, "measured": s, "ncf": float(pn),
+                       "additive": float(pa)} for (w, d, c, s), pn, pa in zip(samples, pred_ncf, pred_add)]}
 
 
 def measurement_noise(table: Mapping[str, Any]) -> float | None:

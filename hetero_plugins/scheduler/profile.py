@@ -93,7 +93,8 @@ def _names(given: Sequence[str] | None, known: dict[str, str], what: str) -> lis
     names = list(known) if given is None else [n for n in given if n]
     bad = [n for n in names if n not in known]
     if bad or not names:
-        raise ValueError(f"`{what}`={list(given or [])!r}: unknown or empty ({bad}). HINT: choose from {sorted(known)}.")
+        raise ValueError(f"`{what}`={list(given or [])!r}: unknown or empty ({bad}). "
+                         f"HINT: choose from {sorted(known)}.")
     return names
 
 
@@ -131,9 +132,10 @@ class _Corunners:
             left = deadline - time.monotonic()
             if p.poll() is not None:
                 err = p.stderr.read() if p.stderr is not None else ""
-                raise RuntimeError(f"co-runner {name!r} exited with code {p.returncode} before it was ready: "
-                                   f"{err.strip()[-800:]}. HINT: run `python -m hetero_plugins.scheduler.profile_jobs "
-                                   f"{name}` to see why, or leave {name!r} out of `corunners`.")
+                raise RuntimeError(
+                    f"co-runner {name!r} exited with code {p.returncode} before it was ready: {err.strip()[-800:]}. "
+                    f"HINT: run `python -m hetero_plugins.scheduler.profile_jobs {name}` to see why, or leave "
+                    f"{name!r} out of `corunners`.")
             if left <= 0:
                 raise RuntimeError(f"co-runner {name!r} was not ready within the start-up timeout. HINT: the machine "
                                    "may be overloaded; retry on a quieter machine or with fewer co-runners.")
@@ -211,7 +213,8 @@ def profile_interference(workloads: Sequence[str] | None = None, corunners: Sequ
     if repeats < 1:
         raise ValueError(f"`repeats`={repeats!r} must be >= 1. HINT: e.g. repeats=2.")
     if not hasattr(signal, "SIGSTOP"):
-        raise RuntimeError("profile-interference needs POSIX signals (SIGSTOP/SIGCONT). HINT: run it on Linux or macOS.")
+        raise RuntimeError("profile-interference needs POSIX signals (SIGSTOP/SIGCONT). "
+                           "HINT: run it on Linux or macOS.")
     users = [(w, DEFAULT_BATCH[w] * s) for w in wl for s in scales]
     uname = {(w, b): (w if len(scales) == 1 else f"{w}_b{b}") for w, b in users}
     items = [(c, k) for c in cr for k in levels]
@@ -341,6 +344,9 @@ def profile_main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # a co-runner failed; they are all killed by now
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)

@@ -164,7 +164,8 @@ def build_workload(name: str, device: str = "cpu", batch: int | None = None, see
 
 
 # ---------------------------------------------------------------------------------------------- co-runners
-def corunner_command(name: str, device: str = "cpu", max_seconds: float = 600.0, workdir: str | Path | None = None) -> list[str]:
+def corunner_command(name: str, device: str = "cpu", max_seconds: float = 600.0,
+                     workdir: str | Path | None = None) -> list[str]:
     """The command line starting co-runner ``name`` as its own process (run it with :func:`single_thread_env`)."""
     if name not in CORUNNERS and name not in GPU_CORUNNERS:
         raise ValueError(f"unknown co-runner {name!r}. HINT: use one of {sorted(CORUNNERS | GPU_CORUNNERS)}.")
