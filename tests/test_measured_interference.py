@@ -43,7 +43,8 @@ def _children_running(pattern: str, parent: int | None = None) -> list[int]:
 def test_tiny_real_profile_run_writes_a_valid_table_and_leaves_no_corunner(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     rc = profile_main(["--out", str(out), "--seconds", "0.05", "--repeats", "2", "--workloads", "mlp",
-                       "--corunners", "compute", "--intensities", "1,2", "--device", "cpu", "--quiet"])
+                       "--corunners", "compute", "--batch-scales", "1", "--intensities", "1,2", "--device", "cpu",
+                       "--quiet"])
     assert rc == 0
     table = load_table(out)
     assert table["device"] == "cpu" and table["machine"]["cores"] >= 1 and table["machine"]["torch"]
@@ -60,7 +61,7 @@ def test_tiny_real_profile_run_writes_a_valid_table_and_leaves_no_corunner(tmp_p
 def test_sigterm_during_a_profile_run_kills_its_corunners(tmp_path: Path) -> None:
     job = subprocess.Popen([sys.executable, "-m", "hetero_plugins.cli", "profile-interference", "--out",
                             str(tmp_path / "t.json"), "--seconds", "5", "--workloads", "mlp", "--corunners",
-                            "compute,membw", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            "compute,membw", "--intensities", "1", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while len(pids := _children_running("profile_jobs", job.pid)) < 2 and time.monotonic() < deadline:

@@ -147,7 +147,8 @@ class _Corunners:
         for p in self.procs[name][:copies]:
             if p.poll() is not None:
                 raise RuntimeError(f"co-runner {name!r} (pid {p.pid}) exited early with code {p.returncode}. "
-                                   "HINT: raise --max-seconds or lower --seconds / --repeats.")
+                                   "HINT: it stops after a time budget; lower --seconds / --repeats, or profile "
+                                   "fewer workloads per run.")
             os.kill(p.pid, sig)
 
     def kill_all(self) -> None:
@@ -180,8 +181,8 @@ def _window(step: Any, seconds: float) -> float:
 
 
 def profile_interference(workloads: Sequence[str] | None = None, corunners: Sequence[str] | None = None, *,
-                         device: str = "cpu", seconds: float = 0.5, repeats: int = 2,
-                         batch_scales: Sequence[int] = (1,), intensities: Sequence[int] = (1,), seed: int = 0,
+                         device: str = "cpu", seconds: float = 0.1, repeats: int = 10,
+                         batch_scales: Sequence[int] = (1, 4), intensities: Sequence[int] = (1, 2), seed: int = 0,
                          note: str | None = None) -> dict[str, Any]:
     """Measure the slowdown of each workload beside each co-runner on this machine; return the table.
 
@@ -189,7 +190,8 @@ def profile_interference(workloads: Sequence[str] | None = None, corunners: Sequ
         workloads: names from :data:`~hetero_plugins.scheduler.profile_jobs.WORKLOADS` (default: all).
         corunners: co-runner names (default: all for ``device``; ``"gpu"`` only on ``cuda``).
         device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda where torch sees one): where the workloads run.
-        seconds: length of one measurement window (solo or shared), in seconds.
+        seconds: length of one measurement window (solo or shared), in seconds. Many short windows
+            (0.1 s x 10 repeats) measured less noisily on a loaded machine than fewer long ones.
         repeats: measurements per (workload, co-runner) pair (each against its neighbouring solo windows).
         batch_scales: batch-size multiples of each workload's default batch; with more than one, each
             workload at each batch is its own row (``mlp_b128``, ``mlp_b512``).
@@ -220,7 +222,7 @@ def profile_interference(workloads: Sequence[str] | None = None, corunners: Sequ
     items = [(c, k) for c in cr for k in levels]
     iname = {(c, k): (c if k == 1 else f"{c}_x{k}") for c, k in items}
     windows = len(users) * repeats * (2 * len(items) + 1)
-    budget = 3 * windows * seconds + 60 * len(users) + 300  # co-runners stop on their own after this
+    budget = 20 * windows * seconds + 120 * len(users) + 1800  # a safety net: co-runners stop on their own
     machine = describe_machine(device)
     if note:
         machine["note"] = note
@@ -288,14 +290,14 @@ def _csv(text: str | None) -> list[str] | None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-plugins profile-interference", description=profile_main.__doc__)
     p.add_argument("--out", default=None, help="table JSON to write (default interference_<device>.json)")
-    p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement window (solo or shared)")
-    p.add_argument("--repeats", type=int, default=2, help="measurements per (workload, co-runner) pair")
+    p.add_argument("--seconds", type=float, default=0.1, help="seconds per measurement window (solo or shared)")
+    p.add_argument("--repeats", type=int, default=10, help="measurements per (workload, co-runner) pair")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where the workloads run")
     p.add_argument("--workloads", default=None, help=f"comma-separated, from {','.join(WORKLOADS)} (default all)")
     p.add_argument("--corunners", default=None,
                    help=f"comma-separated, from {','.join(CORUNNERS | GPU_CORUNNERS)} (default all; gpu only on cuda)")
-    p.add_argument("--batch-scales", default="1", help="batch multiples per workload, e.g. 1,4 (one row each)")
-    p.add_argument("--intensities", default="1", help="co-runner copies at once, e.g. 1,2 (one row each)")
+    p.add_argument("--batch-scales", default="1,4", help="batch multiples per workload (one row each; 1: one)")
+    p.add_argument("--intensities", default="1,2", help="co-runner copies at once (one row each; 1: one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default=None, help="free text for the machine description (e.g. other load)")
     p.add_argument("--from", dest="source", default=None, metavar="TABLE",
