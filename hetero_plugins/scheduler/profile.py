@@ -110,32 +110,36 @@ class _Corunners:
 
     def __init__(self) -> None:
         self.procs: dict[str, list[subprocess.Popen[str]]] = {}
+        self.logs: dict[int, Path] = {}
 
     def start(self, names: Sequence[str], copies: int, device: str, workdir: Path, max_seconds: float,
               timeout: float = 180.0) -> None:
         env = single_thread_env()
         for name in names:
-            self.procs[name] = [
-                subprocess.Popen(corunner_command(name, device, max_seconds, workdir), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-                for _ in range(copies)]
+            self.procs[name] = []
+            for k in range(copies):
+                log = workdir / f"corunner_{name}_{k}.log"  # a file: a chatty co-runner cannot fill a pipe
+                with open(log, "w") as err:
+                    p = subprocess.Popen(corunner_command(name, device, max_seconds, workdir), stdout=subprocess.PIPE,
+                                         stderr=err, text=True, env=env, start_new_session=True)
+                self.procs[name].append(p)
+                self.logs[p.pid] = log
         deadline = time.monotonic() + timeout
         for name, procs in self.procs.items():
             for p in procs:
                 self._wait_ready(name, p, deadline)
                 os.kill(p.pid, signal.SIGSTOP)
 
-    @staticmethod
-    def _wait_ready(name: str, p: subprocess.Popen[str], deadline: float) -> None:
+    def _wait_ready(self, name: str, p: subprocess.Popen[str], deadline: float) -> None:
         assert p.stdout is not None
         while True:
             left = deadline - time.monotonic()
             if p.poll() is not None:
-                err = p.stderr.read() if p.stderr is not None else ""
+                err = self.logs[p.pid].read_text(errors="replace")
                 raise RuntimeError(
                     f"co-runner {name!r} exited with code {p.returncode} before it was ready: {err.strip()[-800:]}. "
-                    f"HINT: run `python -m hetero_plugins.scheduler.profile_jobs {name}` to see why, or leave "
-                    f"{name!r} out of `corunners`.")
+                    f"HINT: run `python -m hetero_plugins.scheduler.profile_jobs {name} --max-seconds 5` to see why, "
+                    f"or leave {name!r} out of `corunners`.")
             if left <= 0:
                 raise RuntimeError(f"co-runner {name!r} was not ready within the start-up timeout. HINT: the machine "
                                    "may be overloaded; retry on a quieter machine or with fewer co-runners.")
@@ -143,7 +147,7 @@ class _Corunners:
             if ready and p.stdout.readline().strip() == "ready":
                 return
 
-    def signal(self, name: str, copies: int, sig: int) -> None:
+    def send(self, name: str, copies: int, sig: int) -> None:
         for p in self.procs[name][:copies]:
             if p.poll() is not None:
                 raise RuntimeError(f"co-runner {name!r} (pid {p.pid}) exited early with code {p.returncode}. "
@@ -163,9 +167,8 @@ class _Corunners:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
-                for s in (p.stdout, p.stderr):
-                    if s is not None:
-                        s.close()
+                if p.stdout is not None:
+                    p.stdout.close()
         self.procs = {}
 
 
@@ -246,12 +249,12 @@ def profile_interference(workloads: Sequence[str] | None = None, corunners: Sequ
                 bar.update()
                 for j in rng.permutation(len(items)):
                     c, k = items[j]
-                    pool.signal(c, k, signal.SIGCONT)
+                    pool.send(c, k, signal.SIGCONT)
                     try:
                         time.sleep(settle)
                         shared = _window(step, seconds)
                     finally:
-                        pool.signal(c, k, signal.SIGSTOP)
+                        pool.send(c, k, signal.SIGSTOP)
                     after = _window(step, seconds)
                     bar.update(2)
                     key = (uname[(w, b)], iname[(c, k)])
