@@ -30,53 +30,26 @@ from hetero_plugins.scheduler.sim import ClusterSim, load_scenario, simulate
 __all__ = ["collect", "evaluate_relocation", "pretrain_placement", "relocation_scenarios"]
 
 
+#: Stand-in measured interference table (format 1) for the generated family while none is shipped.
+STANDIN_TABLE: dict[str, Any] = {"format": 1, "rows": [
+    {"workload": w, "corunner": c, "slowdown": s}
+    for w, row in {"cnn": {"cpu_burn": 1.9, "membw": 1.5, "io": 1.1, "train": 2.0},
+                   "mlp": {"cpu_burn": 1.7, "membw": 1.8, "io": 1.05, "train": 1.8},
+                   "digits": {"cpu_burn": 1.6, "membw": 1.3, "io": 1.2, "train": 1.7},
+                   "loader": {"cpu_burn": 1.3, "membw": 1.2, "io": 2.2, "train": 1.4}}.items()
+    for c, s in row.items()]}
+
+
 def relocation_scenarios(split: str, count: int, family: str = "default") -> list[dict[str, Any]]:
-    """The first ``count`` scenarios of ``split`` in the generated scenario family ``family``."""
+    """The first ``count`` scenarios of ``split`` in the generated scenario family ``family``
+    (:func:`~hetero_plugins.scheduler.sim.family.family_scenarios`; interference from the shipped measured table,
+    or :data:`STANDIN_TABLE` where none is shipped)."""
+    from hetero_plugins.scheduler.sim.family import family_scenarios
+
     try:
-        from hetero_plugins.scheduler.sim import family as fam
-    except ImportError:  # the generated family is not there: a small stand-in with the same split rule
-        return [_standin(s, family) for s in _split_seeds(split, count)]
-    return fam.family_scenarios(split, count, family=family)
-
-
-def _split_seeds(split: str, count: int) -> list[int]:
-    digits = {"train": range(7), "val": (7,), "test": (8, 9)}[split]
-    return [s for s in range(20 * count + 20) if s % 10 in digits][:count]
-
-
-def _standin(seed: int, family: str) -> dict[str, Any]:
-    """A generated cluster with co-runner churn (heavy-tailed stays) and free slots."""
-    rng = np.random.default_rng([seed, 0 if family == "default" else 1])
-    if family == "default":
-        types = {"a100": (0.004, 0.00025), "v100": (0.005, 0.0005), "t4": (0.006, 0.0012)}
-        interference = {"video": 1.5, "inference": 1.3, "etl": 1.2, "training": 1.6, "memcpy": 1.4}
-    else:
-        types = {"v100": (0.005, 0.0005), "k80": (0.008, 0.002), "cpu": (0.01, 0.004)}
-        interference = {"video": 1.2, "inference": 1.6, "etl": 1.9, "training": 2.0, "memcpy": 1.1}
-    names = list(types)
-    world = int(rng.integers(4, 25))
-    per_rank = int(rng.choice([32, 64, 128]))
-    epochs = int(rng.integers(14, 31))
-    ranks = [{"device": str(rng.choice(names)), "corunner": None} for _ in range(world)]
-    present = [d for d in names if any(r["device"] == d for r in ranks)]  # a free slot's type must have a rank
-    free = [{"device": str(rng.choice(present)),
-             "corunner": None if rng.random() < 0.7 else str(rng.choice(list(interference))),
-             "data": 0.0} for _ in range(int(rng.integers(1, 4)))]
-    events: list[dict[str, Any]] = []
-    for _ in range(int(rng.integers(2, 3 + world // 2))):
-        r, start = int(rng.integers(0, world)), int(rng.integers(1, epochs - 1))
-        stay = int(np.ceil(rng.pareto(1.2) + 1))
-        events.append({"epoch": start, "rank": r, "corunner": str(rng.choice(list(interference)))})
-        if start + stay < epochs:
-            events.append({"epoch": start + stay, "rank": r, "corunner": None})
-    events.sort(key=lambda ev: ev["epoch"])
-    steps = int(rng.integers(10, 21))
-    mean_t = np.mean([a + b * per_rank for a, b in types.values()])
-    return {"name": f"{family}-{seed}", "workload": "training", "epochs": epochs, "steps_per_epoch": steps,
-            "global_batch": world * per_rank, "noise": float(rng.uniform(0.01, 0.05)), "seed": seed,
-            "devices": {d: {"overhead": a, "cost_per_sample": b, "memory_samples": 4096} for d, (a, b) in types.items()},
-            "ranks": ranks, "free_slots": free, "events": events, "interference": interference,
-            "restart_cost": float(mean_t * steps * rng.uniform(0.3, 3.0))}
+        return family_scenarios(split, count, family=family)
+    except ValueError:
+        return family_scenarios(split, count, family=family, table=STANDIN_TABLE)
 
 
 class _Truth:
@@ -215,8 +188,8 @@ def pretrain_placement(
     Returns the kept network and the training statistics (samples, rounds, validation history).
     """
     get = scenarios or relocation_scenarios
-    train = get("train", train_count, family)
-    val = get("val", val_count, family)
+    train = [s for s in get("train", train_count, family) if s.get("free_slots")]  # no free slot: nothing to learn
+    val = [s for s in get("val", val_count, family) if s.get("free_slots")]
     rng = np.random.default_rng(seed)
     start = net.copy() if net is not None else PlacementNetwork.random(seed=seed)
     cur = start.copy()

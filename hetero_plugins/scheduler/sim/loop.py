@@ -236,7 +236,9 @@ class _Loop:
         assert planner is not None
         taken = set(self.where[int(r)] for r in act)
         alive = set(int(r) for r in act)
-        free = [p for p in range(sim.places) if p not in taken and (p >= sim.world_size or p in alive)]
+        other = sim.place_taken(e + 1)  # free slots another job holds in the next epoch
+        free = [p for p in range(sim.places)
+                if p not in taken and not other[p] and (p >= sim.world_size or p in alive)]
         if not free:
             return
         t0 = time.perf_counter()
