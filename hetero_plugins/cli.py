@@ -12,7 +12,7 @@ import sys
 
 __all__ = ["main"]
 
-COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "transfer")
+COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "pretrain-placement", "transfer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,14 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetero-plugins", description="Heterogeneity-aware data-parallel training.")
     parser.add_argument("command", choices=COMMANDS,
                         help="demo: stock DDP vs HeteroDDPStrategy; bench: benchmarks; report RUN: a picture and a "
-                        "summary of what the balancer did in a run; simulate / pretrain / transfer: the learned "
-                        "scheduler on the cluster simulator")
+                        "summary of what the balancer did in a run; simulate / pretrain / pretrain-placement / "
+                        "transfer: the learned scheduler on the cluster simulator")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or per-epoch lines (any position)")
     args, rest = parser.parse_known_args(argv[:1])
-    if args.command in ("simulate", "pretrain", "transfer"):
+    if args.command in ("simulate", "pretrain", "pretrain-placement", "transfer"):
         from hetero_plugins.scheduler import commands
 
-        return getattr(commands, f"{args.command}_main")(argv[1:])
+        return getattr(commands, f"{args.command.replace('-', '_')}_main")(argv[1:])
     if args.command == "demo":
         from hetero_plugins.apps.demo import main as demo_main
 

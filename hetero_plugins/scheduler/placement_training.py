@@ -205,8 +205,14 @@ def pretrain_placement(
         cur = PlacementNetwork.load(meta["net"]) if Path(meta["net"]).is_file() else cur
         best = PlacementNetwork.load(meta["best"]) if Path(meta["best"]).is_file() else cur.copy()
         best_val, rounds, history = meta["best_val"], meta["rounds"], meta["history"]
+    greedy = {r["scenario"]: r["greedy"] for r in evaluate_relocation(val, policies=("greedy",))}
+
+    def val_score(net: PlacementNetwork) -> float:
+        rows = evaluate_relocation(val, net, gamma=gamma, policies=("learned",))
+        return float(np.mean([r["learned"] / greedy[r["scenario"]] for r in rows]))
+
     if not np.isfinite(best_val) and val:
-        best_val = score(evaluate_relocation(val, cur, gamma=gamma))["learned_vs_greedy"]
+        best_val = val_score(cur)
         history.append({"round": 0, "samples": 0, "episodes": 0, "val_vs_greedy": round(best_val, 4)})
     t0 = time.perf_counter()
     bar = progress(total=max_rounds, desc="placement pre-training", unit="round")  # type: ignore[arg-type]
@@ -217,7 +223,7 @@ def pretrain_placement(
         xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
         cur.fit(xs, ys, steps=fit_steps, lr=lr, seed=seed + rounds)
         rounds += 1
-        v = score(evaluate_relocation(val, cur, gamma=gamma))["learned_vs_greedy"] if val else 0.0
+        v = val_score(cur) if val else 0.0
         history.append({"round": rounds, "samples": int(len(ys)), "episodes": rounds * episodes_per_round,
                         "val_vs_greedy": round(v, 4)})
         if v > best_val:
