@@ -103,7 +103,8 @@ def test_model_roundtrip_and_schema_check(tmp_path):
 
 def test_pretrain_placement_command_tiny_run_and_resume(tmp_path, capsys):
     out = tmp_path / "placement.npz"
-    args = ["--out", str(out), "--seconds", "30", "--rounds", "1", "--train", "3", "--val", "1", "--episodes", "1", "--fit-steps", "50"]
+    args = ["--out", str(out), "--seconds", "30", "--rounds", "1", "--train", "3", "--val", "1", "--episodes", "1",
+            "--fit-steps", "50"]
     assert pretrain_placement_main(args) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["rounds"] == 1 and out.is_file() and (tmp_path / "placement.npz.ckpt.npz").is_file()

@@ -252,7 +252,8 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
     from hetero_plugins.scheduler.placement_policy import PlacementNetwork
     from hetero_plugins.scheduler.placement_training import pretrain_placement
 
-    parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-placement", description=pretrain_placement_main.__doc__)
+    parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-placement",
+                                     description=pretrain_placement_main.__doc__)
     parser.add_argument("--out", default="placement_v1.npz", help="model file to write (checkpoint: <out>.ckpt.npz)")
     parser.add_argument("--seconds", type=float, default=300.0, help="training budget in seconds")
     parser.add_argument("--seed", type=int, default=0)
@@ -271,7 +272,8 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
         return 2
     for name in ("train", "val", "episodes", "fit_steps"):
         if getattr(args, name) < 1:
-            print(f"error: `--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{name} 10", file=sys.stderr)
+            flag = name.replace("_", "-")
+            print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 10", file=sys.stderr)
             return 2
     try:
         init = None if args.init is None else PlacementNetwork.load(None if args.init == "shipped" else args.init)

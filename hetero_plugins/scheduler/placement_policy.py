@@ -395,7 +395,8 @@ class LearnedRelocator(Relocator):
         cands = candidate_actions(own, incoming, global_batch, homes_free)
         if not cands:
             return stay
-        ctx = {"epoch": epoch, "n": n, "t_cur": t_cur, "cost": cost, "steps": int(steps_per_epoch), "epochs_left": int(epochs_left),
+        ctx = {"epoch": epoch, "n": n, "t_cur": t_cur, "cost": cost, "steps": int(steps_per_epoch),
+               "epochs_left": int(epochs_left),
                "devices": devices, "corunners": corunners, "next_corunners": next_corunners, "lines": lines,
                "workload": wl, "ages_from": ages_from, "ages_to": ages_to, "incoming": incoming,
                "free_slots": free_slots, "solo": solo}

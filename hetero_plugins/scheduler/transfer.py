@@ -164,7 +164,7 @@ def transfer_placement(
     fine-tuned mean at the smallest checkpoint with at most 25% of scratch's final samples to scratch's final
     mean (target: within 2%).
     """
-    from hetero_plugins.scheduler.placement_training import collect, evaluate_relocation, relocation_scenarios, score
+    from hetero_plugins.scheduler.placement_training import collect, evaluate_relocation, relocation_scenarios
 
     checkpoints = sorted(check_int("checkpoints", int(c), minimum=1) for c in checkpoints)
     src = source.copy() if isinstance(source, PlacementNetwork) else PlacementNetwork.load(source)
