@@ -113,3 +113,16 @@ def test_pretrain_placement_command_tiny_run_and_resume(tmp_path, capsys):
     assert pretrain_placement_main(args) == 0  # resumes from round 1
     assert json.loads(capsys.readouterr().out)["rounds"] == 2
     assert pretrain_placement_main(["--seconds", "0"]) == 2
+
+
+def test_make_relocator_names():
+    from hetero_plugins.scheduler.placement_policy import make_relocator
+    from hetero_plugins.scheduler.sim import load_scenario
+
+    sc = load_scenario("interference")
+    assert make_relocator("none", sc) is None
+    assert type(make_relocator("greedy", sc)) is Relocator
+    learned = make_relocator("learned", sc)
+    assert isinstance(learned, LearnedRelocator) and learned.restart_cost == sc.restart_cost
+    with pytest.raises(ValueError, match="HINT"):
+        make_relocator("best", sc)

@@ -30,6 +30,11 @@ fixed ``horizon_epochs``); :class:`LearnedRelocator` is a drop-in for it.
   transitions takes a few gradient steps towards the target ``Q_target(s, a) + (observed - predicted) * D``
   (``D``: the discounted epochs the error persists over; ``Q_target``: a copy of the network synced after each
   round of updates, as in DQN).
+- **Decision**: the greedy placement whenever the Relocator's own rule would move (``keep_greedy``, chosen on
+  validation scenarios: the network alone lost to greedy on a few of them by swapping its move for a close
+  single move); otherwise the candidate of highest value when that value is above ``margin``, else stay. So
+  the network adds the moves the myopic rule misses (longer runs, cheap restarts against many epochs left,
+  slots freed late) and times them.
 - **Safety**: an action whose predicted step-time gain on the Relocator's lines is not positive is never a
   candidate, so the learned relocator never moves ranks to a placement the greedy one predicts slower.
 
@@ -52,8 +57,8 @@ from hetero_plugins.scheduler.features import read_model, write_model
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
-__all__ = ["DEFAULT_PLACEMENT_MODEL", "PLACEMENT_FEATURES", "LearnedRelocator", "PlacementNetwork",
-           "candidate_actions"]
+__all__ = ["DEFAULT_PLACEMENT_MODEL", "PLACEMENT_FEATURES", "RELOCATION_POLICIES", "LearnedRelocator",
+           "PlacementNetwork", "candidate_actions", "make_relocator"]
 
 DEFAULT_PLACEMENT_MODEL = "placement_v1.npz"
 
@@ -257,6 +262,13 @@ class LearnedRelocator(Relocator):
         restart_cost: seconds a restart costs (the simulator passes its scenario's with each call).
         gamma: discount per epoch of the value (the one the model was trained with).
         margin: smallest value (epochs of the current step time saved) worth a move.
+        other_margin: how much more than the greedy placement another candidate must be worth to be chosen
+            instead (a large value such as ``1e9``: choose only between stay and the greedy placement; chosen on validation
+            scenarios).
+        keep_greedy: when the greedy Relocator's own rule would move (gain of at least ``greedy_min_gain`` paid
+            back over ``greedy_horizon`` epochs), take the greedy placement whatever the network says; the
+            network then decides the moves the myopic rule misses (chosen on validation scenarios).
+        greedy_min_gain, greedy_horizon: that rule's parameters (the :class:`Relocator` defaults).
         online: keep learning from the outcomes observed at the next call.
         update_every: online transitions between rounds of updates.
         replay_size: online replay capacity.
@@ -281,13 +293,18 @@ class LearnedRelocator(Relocator):
 
     def __init__(self, model: PlacementNetwork | str | Path | None = None, predictor: Any = None,
                  workload: str = "training", restart_cost: float = 60.0, gamma: float = 0.98, margin: float = 0.0,
-                 online: bool = False, update_every: int = 4, replay_size: int = 256, online_lr: float = 3e-4,
+                 other_margin: float = 0.0, keep_greedy: bool = True, greedy_min_gain: float = 0.05,
+                 greedy_horizon: int = 3, online: bool = False, update_every: int = 4, replay_size: int = 256, online_lr: float = 3e-4,
                  online_steps: int = 20, seed: int = 0) -> None:
         super().__init__(predictor, workload=workload, min_gain=0.0, restart_cost=restart_cost, horizon_epochs=1)
         self.net = model.copy() if isinstance(model, PlacementNetwork) else PlacementNetwork.load(model)
         self.gamma = check_float("gamma", gamma, minimum=0.0, maximum=1.0, hint="e.g. 0.98")
         self.margin = check_float("margin", margin, hint="e.g. 0.0")
+        self.other_margin = check_float("other_margin", other_margin, minimum=0.0, hint="e.g. 0.1, or 1e9 for stay-or-greedy only")
         self.online = bool(online)
+        self.keep_greedy = bool(keep_greedy)
+        self.greedy_min_gain = check_float("greedy_min_gain", greedy_min_gain, minimum=0.0, hint="e.g. 0.05")
+        self.greedy_horizon = check_int("greedy_horizon", greedy_horizon, minimum=1, hint="e.g. 3")
         self.update_every = check_int("update_every", update_every, minimum=1, hint="e.g. 4")
         self.online_lr = check_float("online_lr", online_lr, minimum=0.0, hint="e.g. 3e-4")
         self.online_steps = check_int("online_steps", online_steps, minimum=1, hint="e.g. 20")
@@ -402,7 +419,14 @@ class LearnedRelocator(Relocator):
                "free_slots": free_slots, "solo": solo}
         x = self.features(cands, ctx)
         q = self.net(x)
-        pick = int(np.argmax(q)) if q.max() > self.margin else -1
+        score = q - np.array([0.0 if c["kind"] == "greedy" else self.other_margin for c in cands])
+        pick = int(np.argmax(score)) if score.max() > self.margin else -1
+        if self.keep_greedy:
+            for k, c in enumerate(cands):
+                gain = t_cur / c["t_new"] - 1.0
+                saved = (t_cur - c["t_new"]) * min(int(epochs_left), self.greedy_horizon) * steps_per_epoch - cost
+                if c["kind"] == "greedy" and gain >= self.greedy_min_gain and saved > 0:
+                    pick = k
         if self.explore > 0 and self._rng.random() < self.explore:
             pick = int(self._rng.integers(-1, len(cands)))
         if self.recorder is not None:
@@ -457,3 +481,20 @@ class LearnedRelocator(Relocator):
                     self.residual, math.log2(max(n, 1)) / 10.0, float(c["kind"] == "greedy"),
                     float(c["kind"] == "home"))
         return x
+
+
+#: Relocation policies by name (for benchmarks): no relocation, the greedy Relocator, the learned one.
+RELOCATION_POLICIES = ("none", "greedy", "learned")
+
+
+def make_relocator(name: str, scenario: Any = None, **kw: Any) -> Relocator | None:
+    """The relocation policy ``name`` (:data:`RELOCATION_POLICIES`) for a scenario (its workload and restart
+    cost; ``scenario`` is a :class:`~hetero_plugins.scheduler.sim.Scenario` or ``None``); ``kw`` go to the
+    relocator. ``"none"`` is ``None`` (``simulate(..., relocation=None)``)."""
+    if name not in RELOCATION_POLICIES:
+        raise ValueError(f"`name`={name!r} is not a relocation policy. HINT: use one of {RELOCATION_POLICIES}.")
+    if name == "none":
+        return None
+    if scenario is not None:
+        kw = {"workload": scenario.workload, "restart_cost": scenario.restart_cost, **kw}
+    return Relocator(**kw) if name == "greedy" else LearnedRelocator(**kw)
