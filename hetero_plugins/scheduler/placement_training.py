@@ -130,9 +130,10 @@ def collect(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork, explo
 
 def evaluate_relocation(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork | None = None,
                         seeds: Sequence[int] = (0,), gamma: float = 0.98, online: bool = False,
-                        policies: Sequence[str] = ("none", "greedy", "learned")) -> list[dict[str, Any]]:
+                        policies: Sequence[str] = ("none", "greedy", "learned"),
+                        **relocator_kw: Any) -> list[dict[str, Any]]:
     """Closed-loop steady throughput of no relocation, the greedy Relocator and the learned one per scenario
-    (mean over noise ``seeds``; each seed's values kept)."""
+    (mean over noise ``seeds``; each seed's values kept; ``relocator_kw`` go to the learned relocator)."""
     rows = []
     for sc in scenarios:
         sc_obj = load_scenario(dict(sc))
@@ -146,7 +147,7 @@ def evaluate_relocation(scenarios: Sequence[Mapping[str, Any]], net: PlacementNe
                     rel = Relocator(workload=sc_obj.workload, restart_cost=sc_obj.restart_cost)
                 else:
                     rel = LearnedRelocator(net, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost,
-                                           gamma=gamma, online=online, seed=s)
+                                           gamma=gamma, online=online, seed=s, **relocator_kw)
                 vals.append(float(simulate(sc_obj, "equal_finish", seed=s, relocation=rel)["steady_samples_per_s"]))
             row[pol] = float(np.mean(vals))
             row[f"{pol}_seeds"] = vals

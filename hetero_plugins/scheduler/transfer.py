@@ -155,7 +155,8 @@ def transfer_placement(
     Both run the same fitted Q-iteration (:mod:`hetero_plugins.scheduler.placement_training`) on the *train*
     split of ``family``, one behaviour episode per round; after the rounds listed in ``checkpoints`` the network
     is scored closed loop on the *test* split (scenarios with free slots, of the first ``eval_count``): quality
-    is the mean steady throughput relative to the greedy Relocator. Fine-tuning starts from the source's
+    is the mean steady throughput relative to the greedy Relocator, with the network deciding alone
+    (``keep_greedy=False``: what it learned, not the greedy rule it may defer to). Fine-tuning starts from the source's
     weights with a smaller learning rate and fewer steps per round (the usual recipe; the seed paper's, Zhang,
     Geng, Ma, IEEE TPDS 2021, is not public).
 
@@ -173,7 +174,7 @@ def transfer_placement(
     cache: dict[str, float] = {}
 
     def quality(net: PlacementNetwork) -> float:
-        rows = evaluate_relocation(test, net, policies=("learned",))
+        rows = evaluate_relocation(test, net, policies=("learned",), keep_greedy=False)
         for r in rows:
             if r["scenario"] not in cache:
                 cache[r["scenario"]] = evaluate_relocation([s for s in test if s["name"] == r["scenario"]],
