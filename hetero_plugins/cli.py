@@ -1,5 +1,6 @@
 """The ``hetero-plugins`` command: ``demo`` runs the main job, ``bench`` the benchmarks, ``report`` draws what the
-balancer did in a run, ``simulate`` / ``pretrain`` / ``transfer`` the learned scheduler.
+balancer did in a run, ``simulate`` / ``pretrain`` / ``transfer`` the learned scheduler, ``profile-interference`` measures co-location
+slowdowns on this machine for it.
 
 Long jobs draw a progress bar on standard error when it is a terminal; ``--quiet`` (anywhere on the line)
 turns the bars and per-epoch lines off. Results, and the paths they were written to, are printed either way.
@@ -12,7 +13,7 @@ import sys
 
 __all__ = ["main"]
 
-COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "pretrain-placement", "transfer")
+COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "pretrain-placement", "transfer", "profile-interference")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=COMMANDS,
                         help="demo: stock DDP vs HeteroDDPStrategy; bench: benchmarks; report RUN: a picture and a "
                         "summary of what the balancer did in a run; simulate / pretrain / pretrain-placement / "
-                        "transfer: the learned scheduler on the cluster simulator")
+                        "transfer: the learned scheduler on the cluster simulator; profile-interference: measure "
+                        "co-runner slowdowns here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or per-epoch lines (any position)")
     args, rest = parser.parse_known_args(argv[:1])
     if args.command in ("simulate", "pretrain", "pretrain-placement", "transfer"):
         from hetero_plugins.scheduler import commands
 
         return getattr(commands, f"{args.command.replace('-', '_')}_main")(argv[1:])
+    if args.command == "profile-interference":
+        from hetero_plugins.scheduler.profile import profile_main
+
+        return profile_main(argv[1:])
     if args.command == "demo":
         from hetero_plugins.apps.demo import main as demo_main
 

@@ -64,7 +64,9 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_outside_the_checkout(tmp_path):
     expected = {f"{target}/{p.relative_to(ROOT / folder).as_posix()}" for folder, target in SOURCES.items()
                 for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts}
     assert expected - names == set()
-    assert {"hetero_plugins/scheduler/models/dqn_v1.npz", "hetero_plugins/scheduler/models/ncf_v1.npz"} <= names
+    assert {"hetero_plugins/scheduler/models/dqn_v1.npz", "hetero_plugins/scheduler/models/ncf_v1.npz",
+            "hetero_plugins/scheduler/models/ncf_measured_cpu.npz",
+            "hetero_plugins/scheduler/models/interference_cpu.json"} <= names
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])

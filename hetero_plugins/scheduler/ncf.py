@@ -109,10 +109,13 @@ class InterferencePredictor:
 
     # ------------------------------------------------------------------ training
     def fit(self, samples: Sequence[tuple[str, str, str | None, float]], epochs: int = 300, lr: float = 0.01,
-            pretrain_epochs: int | None = None, alpha: float = 0.5, seconds: float | None = None) -> dict[str, float]:
+            pretrain_epochs: int | None = None, alpha: float = 0.5, seconds: float | None = None,
+            weight_decay: float = 0.0) -> dict[str, float]:
         """Train on ``(workload, device, corunner, slowdown)`` samples: GMF and MLP alone, then NeuMF (alpha fusion).
 
-        Returns the final training MSE of the log-slowdown.
+        ``weight_decay`` (Adam's L2 penalty) keeps embeddings small where a table has only tens of rows
+        (measured tables, :mod:`hetero_plugins.scheduler.measured`). Returns the final training MSE of the
+        log-slowdown.
         """
         import torch
 
@@ -124,20 +127,20 @@ class InterferencePredictor:
         t0 = time.perf_counter()
         pre = epochs // 2 if pretrain_epochs is None else pretrain_epochs
         for mode in ("gmf", "mlp"):
-            self._train(u, i, y, mode, pre, lr, t0, seconds)
+            self._train(u, i, y, mode, pre, lr, t0, seconds, weight_decay)
         with torch.no_grad():  # NeuMF initialised from both, predictive layers weighted alpha / 1 - alpha
             self.model.out_gmf.weight.mul_(alpha)
             self.model.out_gmf.bias.mul_(alpha)
             self.model.out_mlp.weight.mul_(1 - alpha)
             self.model.out_mlp.bias.mul_(1 - alpha)
-        loss = self._train(u, i, y, "neumf", epochs, lr / 2, t0, seconds)
+        loss = self._train(u, i, y, "neumf", epochs, lr / 2, t0, seconds, weight_decay)
         return {"mse_log": loss}
 
     def _train(self, u: Any, i: Any, y: Any, mode: str, epochs: int, lr: float, t0: float,
-               seconds: float | None) -> float:
+               seconds: float | None, weight_decay: float = 0.0) -> float:
         import torch
 
-        opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        opt = torch.optim.Adam(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         loss = torch.tensor(float("nan"))
         for _ in range(epochs):
             if seconds is not None and time.perf_counter() - t0 > seconds:
@@ -178,11 +181,13 @@ class InterferencePredictor:
         return write_model(path, arrays, head)
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> InterferencePredictor:
-        """Load a saved predictor (``None``: the shipped default)."""
+    def load(cls, path: str | Path | None = None, shipped: str = DEFAULT_MODEL) -> InterferencePredictor:
+        """Load a saved predictor (``None``: the shipped model file named ``shipped``, by default the one
+        pre-trained on the synthetic table; ``"ncf_measured_cpu.npz"`` is the one trained on the measured CPU
+        table, see :func:`hetero_plugins.scheduler.measured.load_measured_predictor`)."""
         import torch
 
-        arrays, meta = read_model(path, "ncf", DEFAULT_MODEL)
+        arrays, meta = read_model(path, "ncf", shipped)
         p = cls(meta["workloads"], meta["devices"], meta["corunners"], dim=meta["dim"], tower=meta["tower"])
         p.model.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in arrays.items()})
         p.meta = {k: v for k, v in meta.items() if k not in ("kind", "workloads", "devices", "corunners", "dim",
