@@ -13,7 +13,7 @@ import sys
 
 __all__ = ["main"]
 
-COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "transfer", "profile-interference")
+COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "pretrain-placement", "transfer", "profile-interference")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,14 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetero-plugins", description="Heterogeneity-aware data-parallel training.")
     parser.add_argument("command", choices=COMMANDS,
                         help="demo: stock DDP vs HeteroDDPStrategy; bench: benchmarks; report RUN: a picture and a "
-                        "summary of what the balancer did in a run; simulate / pretrain / transfer: the learned "
-                        "scheduler on the cluster simulator; profile-interference: measure co-runner slowdowns here")
+                        "summary of what the balancer did in a run; simulate / pretrain / pretrain-placement / "
+                        "transfer: the learned scheduler on the cluster simulator; profile-interference: measure "
+                        "co-runner slowdowns here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or per-epoch lines (any position)")
     args, rest = parser.parse_known_args(argv[:1])
-    if args.command in ("simulate", "pretrain", "transfer"):
+    if args.command in ("simulate", "pretrain", "pretrain-placement", "transfer"):
         from hetero_plugins.scheduler import commands
 
-        return getattr(commands, f"{args.command}_main")(argv[1:])
+        return getattr(commands, f"{args.command.replace('-', '_')}_main")(argv[1:])
     if args.command == "profile-interference":
         from hetero_plugins.scheduler.profile import profile_main
 

@@ -1,4 +1,4 @@
-"""``hetero-plugins simulate | pretrain | transfer``: the learned scheduler's command-line side."""
+"""``hetero-plugins simulate | pretrain | pretrain-placement | transfer``: the learned scheduler's command-line side."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracl
 from hetero_plugins.scheduler.transfer import transfer_dqn
 from hetero_plugins.progress import progress, timed
 
-__all__ = ["compare", "pretrain_main", "simulate_main", "transfer_main"]
+__all__ = ["compare", "pretrain_main", "pretrain_placement_main", "simulate_main", "transfer_main"]
 
 DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
@@ -238,6 +238,49 @@ def transfer_main(argv: list[str] | None = None) -> int:
     try:
         sc = load_scenario(name)
         _, stats = transfer_dqn(sc, source=args.model, seconds=args.seconds, seed=args.seed, out=args.out)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": args.out, **stats}, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def pretrain_placement_main(argv: list[str] | None = None) -> int:
+    """Pre-train the learned relocation (the placement Q-network) on the train split of a generated scenario
+    family, keep the round best on its val split, and write the model file (resumes from its checkpoint)."""
+    from hetero_plugins.scheduler.placement_policy import PlacementNetwork
+    from hetero_plugins.scheduler.placement_training import pretrain_placement
+
+    parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-placement",
+                                     description=pretrain_placement_main.__doc__)
+    parser.add_argument("--out", default="placement_v1.npz", help="model file to write (checkpoint: <out>.ckpt.npz)")
+    parser.add_argument("--seconds", type=float, default=300.0, help="training budget in seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", default="default", help="scenario family to train on (default, shifted)")
+    parser.add_argument("--init", default=None, metavar="MODEL",
+                        help="start from this placement model ('shipped': the shipped one) to fine-tune it")
+    parser.add_argument("--train", type=int, default=120, help="train-split scenarios drawn from")
+    parser.add_argument("--val", type=int, default=20, help="val-split scenarios to choose the model on")
+    parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
+    parser.add_argument("--episodes", type=int, default=12, help="behaviour episodes per round")
+    parser.add_argument("--fit-steps", type=int, default=1000, help="gradient steps per round")
+    parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    args = parser.parse_args(argv)
+    if args.seconds <= 0:
+        print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 300", file=sys.stderr)
+        return 2
+    for name in ("train", "val", "episodes", "fit_steps"):
+        if getattr(args, name) < 1:
+            flag = name.replace("_", "-")
+            print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 10", file=sys.stderr)
+            return 2
+    try:
+        init = None if args.init is None else PlacementNetwork.load(None if args.init == "shipped" else args.init)
+        _, stats = pretrain_placement(seconds=args.seconds, seed=args.seed, out=args.out, family=args.family, net=init,
+                                      train_count=args.train, val_count=args.val, episodes_per_round=args.episodes,
+                                      max_rounds=args.rounds, resume=not args.no_resume,
+                                      fit_steps=args.fit_steps)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

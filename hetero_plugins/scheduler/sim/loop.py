@@ -236,17 +236,26 @@ class _Loop:
         assert planner is not None
         taken = set(self.where[int(r)] for r in act)
         alive = set(int(r) for r in act)
-        free = [p for p in range(sim.places) if p not in taken and (p >= sim.world_size or p in alive)]
+        other = sim.place_taken(e + 1)  # free slots another job holds in the next epoch
+        free = [p for p in range(sim.places)
+                if p not in taken and not other[p] and (p >= sim.world_size or p in alive)]
         if not free:
             return
         t0 = time.perf_counter()
+        # A relocator that tracks places across calls (``observes_places``, e.g. the learned one) also gets
+        # each rank's place and home place, the epoch and the restart cost; every free slot names its place.
+        extra: dict[str, Any] = {}
+        if getattr(self.relocator, "observes_places", False):
+            extra = {"places": [int(p) for p in here], "homes": [int(r) for r in act], "epoch": int(e),
+                     "restart_cost": float(self.sc.restart_cost)}
         decision = self.relocator.propose(
             devices=[self.pdev[p] for p in here], corunners=[co_now[p] for p in here],
             next_corunners=[co_next[p] for p in here],
             lines=[(m.intercept, m.slope) for m in planner.model_params()],
-            free_slots=[{"device": self.pdev[p], "corunner": co_next[p], "data": float(d_p[p])} for p in free],
+            free_slots=[{"device": self.pdev[p], "corunner": co_next[p], "data": float(d_p[p]), "place": int(p)}
+                        for p in free],
             global_batch=self.sc.global_batch, steps_per_epoch=self.sc.steps_per_epoch, epochs_left=self.epochs - e - 1,
-            data=list(records[:, :, 2].mean(axis=1)), workload=self.sc.workload)
+            data=list(records[:, :, 2].mean(axis=1)), workload=self.sc.workload, **extra)
         if decision.moves:
             for i, k in decision.moves:
                 r, p = int(act[i]), free[k]

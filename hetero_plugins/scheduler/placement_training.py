@@ -1,0 +1,245 @@
+"""Pre-training the learned relocation (:class:`~hetero_plugins.scheduler.placement_policy.LearnedRelocator`) in
+the simulator: fitted Q-iteration on generated scenarios of the *train* split, model selection on *val*.
+
+Each round runs behaviour episodes (the current network, with exploration) through
+:func:`~hetero_plugins.scheduler.sim.simulate`; at every decision, each candidate action's return is read from
+the simulator's true future epoch times: the discounted seconds its placement saves against the current one
+over the following epochs (until the run ends or its ranks change), minus the restart cost, in epochs of the
+current step time. The network is refit on all samples so far (Ernst et al., JMLR 2005; Riedmiller, ECML 2005)
+and scored closed loop on validation scenarios against the greedy
+:class:`~hetero_plugins.scheduler.relocation.Relocator`; the best round is kept. Zhang, Geng, Ma, IEEE TPDS 2021
+(LDWP) pre-train their scheduling DQN before it runs online.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins.balancing.allocators import equal_finish_time
+from hetero_plugins.progress import progress
+from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork
+from hetero_plugins.scheduler.relocation import Relocator
+from hetero_plugins.scheduler.sim import ClusterSim, load_scenario, simulate
+
+__all__ = ["collect", "evaluate_relocation", "pretrain_placement", "relocation_scenarios"]
+
+
+#: Stand-in measured interference table (format 1) for the generated family while none is shipped.
+STANDIN_TABLE: dict[str, Any] = {"format": 1, "rows": [
+    {"workload": w, "corunner": c, "slowdown": s}
+    for w, row in {"cnn": {"cpu_burn": 1.9, "membw": 1.5, "io": 1.1, "train": 2.0},
+                   "mlp": {"cpu_burn": 1.7, "membw": 1.8, "io": 1.05, "train": 1.8},
+                   "digits": {"cpu_burn": 1.6, "membw": 1.3, "io": 1.2, "train": 1.7},
+                   "loader": {"cpu_burn": 1.3, "membw": 1.2, "io": 2.2, "train": 1.4}}.items()
+    for c, s in row.items()]}
+
+
+def relocation_scenarios(split: str, count: int, family: str = "default") -> list[dict[str, Any]]:
+    """The first ``count`` scenarios of ``split`` in the generated scenario family ``family``
+    (:func:`~hetero_plugins.scheduler.sim.family.family_scenarios`; interference from the shipped measured table,
+    or :data:`STANDIN_TABLE` where none is shipped)."""
+    from hetero_plugins.scheduler.sim.family import family_scenarios
+
+    try:
+        return family_scenarios(split, count, family=family)
+    except ValueError:
+        return family_scenarios(split, count, family=family, table=STANDIN_TABLE)
+
+
+class _Truth:
+    """True (noise-free) equal-finish step times of placements in the simulator, cached per epoch."""
+
+    def __init__(self, scenario: Any, seed: int | None) -> None:
+        self.sim = ClusterSim(scenario, seed=seed)
+        self.sc = self.sim.scenario
+        self._params: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def step_time(self, epoch: int, places: Sequence[int]) -> float:
+        if epoch not in self._params:
+            self._params[epoch] = self.sim.place_params(epoch)
+        a, b, d = self._params[epoch]
+        idx = np.asarray(places, dtype=np.int64)
+        return float(equal_finish_time(a[idx] + d[idx], np.maximum(b[idx], 1e-12), self.sc.global_batch))
+
+    def returns(self, epoch: int, base: Sequence[int], placements: Sequence[Sequence[int]], cost: float,
+                gamma: float, epochs: int) -> np.ndarray:
+        """Each placement's discounted seconds saved against ``base`` from ``epoch + 1`` on, less ``cost``, in
+        epochs of ``base``'s next step time."""
+        sim, steps = self.sim, self.sc.steps_per_epoch
+        act = sim.active(epoch)
+        t0 = self.step_time(epoch + 1, base)
+        out = np.full(len(placements), -cost / (t0 * steps))
+        for k, e in enumerate(range(epoch + 1, epochs)):
+            if not np.array_equal(sim.active(e), act):
+                break
+            tb = self.step_time(e, base)
+            for j, pl in enumerate(placements):
+                out[j] += gamma ** k * (tb - self.step_time(e, pl)) / t0
+        return out
+
+
+def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, explore: float,
+             gamma: float, record: bool = True, online: bool = False) -> tuple[list[np.ndarray], list[float], float]:
+    """One closed-loop run; returns the features and true returns of every candidate met, and the throughput."""
+    sc = load_scenario(dict(scenario))
+    truth = _Truth(sc, seed)
+    rel = LearnedRelocator(net, workload=sc.workload, restart_cost=sc.restart_cost, gamma=gamma, online=online,
+                           seed=seed)
+    rel.explore = explore
+    xs: list[np.ndarray] = []
+    ys: list[float] = []
+    state = {"epoch": 0}
+
+    def recorder(cands: list[dict[str, Any]], x: np.ndarray, ctx: Mapping[str, Any], places: list[Any],
+                 slot_ids: list[Any], pick: int) -> None:
+        if not record:
+            return
+        placements = []
+        for c in cands:
+            pl = list(places)
+            for i, j in c["moves"].items():
+                pl[i] = slot_ids[ctx["incoming"][j]["free_slot"]]
+            placements.append(pl)
+        y = truth.returns(ctx["epoch"], places, placements, sc.restart_cost, gamma, sc.epochs)
+        xs.extend(x)
+        ys.extend(y.tolist())
+        state["epoch"] += 1
+
+    rel.recorder = recorder
+    res = simulate(sc, "equal_finish", seed=seed, relocation=rel)
+    return xs, ys, float(res["steady_samples_per_s"])
+
+
+def collect(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork, explore: float = 0.3, gamma: float = 0.98,
+            seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Features and true returns of every candidate met in one behaviour episode per scenario."""
+    xs: list[np.ndarray] = []
+    ys: list[float] = []
+    for k, sc in enumerate(scenarios):
+        x, y, _ = _episode(sc, net, seed + k, explore, gamma)
+        xs += x
+        ys += y
+    return (np.array(xs).reshape(-1, len(net.layers[0][0])), np.array(ys))
+
+
+def evaluate_relocation(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork | None = None,
+                        seeds: Sequence[int] = (0,), gamma: float = 0.98, online: bool = False,
+                        policies: Sequence[str] = ("none", "greedy", "learned"),
+                        **relocator_kw: Any) -> list[dict[str, Any]]:
+    """Closed-loop steady throughput of no relocation, the greedy Relocator and the learned one per scenario
+    (mean over noise ``seeds``; each seed's values kept; ``relocator_kw`` go to the learned relocator)."""
+    rows = []
+    for sc in scenarios:
+        sc_obj = load_scenario(dict(sc))
+        row: dict[str, Any] = {"scenario": sc_obj.name}
+        for pol in policies:
+            vals = []
+            for s in seeds:
+                if pol == "none":
+                    rel: Any = None
+                elif pol == "greedy":
+                    rel = Relocator(workload=sc_obj.workload, restart_cost=sc_obj.restart_cost)
+                else:
+                    rel = LearnedRelocator(net, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost,
+                                           gamma=gamma, online=online, seed=s, **relocator_kw)
+                vals.append(float(simulate(sc_obj, "equal_finish", seed=s, relocation=rel)["steady_samples_per_s"]))
+            row[pol] = float(np.mean(vals))
+            row[f"{pol}_seeds"] = vals
+        rows.append(row)
+    return rows
+
+
+def score(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean throughput ratios of the learned relocator to greedy and to none, and its worst ratio to none."""
+    lg = [r["learned"] / r["greedy"] for r in rows]
+    ln = [r["learned"] / r["none"] for r in rows]
+    gn = [r["greedy"] / r["none"] for r in rows]
+    return {"learned_vs_greedy": float(np.mean(lg)), "learned_vs_none": float(np.mean(ln)),
+            "greedy_vs_none": float(np.mean(gn)), "worst_learned_vs_none": float(np.min(ln)), "scenarios": len(rows)}
+
+
+def pretrain_placement(
+    seconds: float = 300.0,
+    seed: int = 0,
+    out: str | Path | None = None,
+    family: str = "default",
+    train_count: int = 60,
+    val_count: int = 12,
+    episodes_per_round: int = 12,
+    net: PlacementNetwork | None = None,
+    gamma: float = 0.98,
+    fit_steps: int = 1500,
+    lr: float = 1e-3,
+    max_rounds: int | None = None,
+    scenarios: Callable[[str, int, str], list[dict[str, Any]]] | None = None,
+    resume: bool = True,
+) -> tuple[PlacementNetwork, dict[str, Any]]:
+    """Fitted Q-iteration on the *train* split of ``family`` for ``seconds``; keep the round that scores best on
+    *val* (closed loop, mean throughput ratio to the greedy Relocator); save to ``out`` if given.
+
+    With ``out`` and ``resume``, the samples and the round reached are checkpointed to ``<out>.ckpt.npz`` after
+    each round and a later call with the same ``out`` continues from there.
+
+    Returns the kept network and the training statistics (samples, rounds, validation history).
+    """
+    get = scenarios or relocation_scenarios
+    train = [s for s in get("train", train_count, family) if s.get("free_slots")]  # no free slot: nothing to learn
+    val = [s for s in get("val", val_count, family) if s.get("free_slots")]
+    rng = np.random.default_rng(seed)
+    start = net.copy() if net is not None else PlacementNetwork.random(seed=seed)
+    cur = start.copy()
+    xs = np.zeros((0, len(cur.layers[0][0])))
+    ys = np.zeros(0)
+    history: list[dict[str, Any]] = []
+    best, best_val, rounds = cur.copy(), -np.inf, 0
+    ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
+    if ckpt is not None and resume and ckpt.is_file():
+        with np.load(ckpt, allow_pickle=False) as z:
+            xs, ys = z["xs"], z["ys"]
+            meta = json.loads(str(z["meta"]))
+        cur = PlacementNetwork.load(meta["net"]) if Path(meta["net"]).is_file() else cur
+        best = PlacementNetwork.load(meta["best"]) if Path(meta["best"]).is_file() else cur.copy()
+        best_val, rounds, history = meta["best_val"], meta["rounds"], meta["history"]
+    greedy = {r["scenario"]: r["greedy"] for r in evaluate_relocation(val, policies=("greedy",))}
+
+    def val_score(net: PlacementNetwork) -> float:
+        rows = evaluate_relocation(val, net, gamma=gamma, policies=("learned",))
+        return float(np.mean([r["learned"] / greedy[r["scenario"]] for r in rows]))
+
+    if not np.isfinite(best_val) and val:
+        best_val = val_score(cur)
+        history.append({"round": 0, "samples": 0, "episodes": 0, "val_vs_greedy": round(best_val, 4)})
+    t0 = time.perf_counter()
+    bar = progress(total=max_rounds, desc="placement pre-training", unit="round")  # type: ignore[arg-type]
+    while (max_rounds is None or rounds < max_rounds) and time.perf_counter() - t0 < seconds:
+        picks = rng.choice(len(train), min(episodes_per_round, len(train)), replace=False)
+        explore = max(0.1, 0.5 * 0.7 ** rounds)
+        x, y = collect([train[i] for i in picks], cur, explore=explore, gamma=gamma, seed=seed * 1000 + rounds * 50)
+        xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
+        cur.fit(xs, ys, steps=fit_steps, lr=lr, seed=seed + rounds)
+        rounds += 1
+        v = val_score(cur) if val else 0.0
+        history.append({"round": rounds, "samples": int(len(ys)), "episodes": rounds * episodes_per_round,
+                        "val_vs_greedy": round(v, 4)})
+        if v > best_val:
+            best, best_val = cur.copy(), v
+        if ckpt is not None:
+            cur.save(str(ckpt) + ".net.npz")
+            best.save(str(ckpt) + ".best.npz")
+            meta = {"net": str(ckpt) + ".net.npz", "best": str(ckpt) + ".best.npz", "best_val": best_val,
+                    "rounds": rounds, "history": history}
+            np.savez_compressed(ckpt, xs=xs, ys=ys, meta=np.array(json.dumps(meta)))
+        bar.update(1)
+    bar.close()
+    stats = {"family": family, "rounds": rounds, "samples": int(len(ys)), "episodes": rounds * episodes_per_round,
+             "validation": history, "best_val_vs_greedy": round(float(best_val), 4), "seed": seed,
+             "seconds": seconds, "gamma": gamma}
+    if out is not None:
+        best.save(out, trained=stats)
+    return best, stats

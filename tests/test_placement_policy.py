@@ -1,0 +1,128 @@
+"""The learned relocation (LearnedRelocator): drop-in for the Relocator in simulate, never a negative predicted
+gain, online updates, model files, the pretrain-placement command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hetero_plugins.scheduler.commands import pretrain_placement_main
+from hetero_plugins.scheduler.placement_policy import (
+    PLACEMENT_FEATURES,
+    LearnedRelocator,
+    PlacementNetwork,
+    candidate_actions,
+)
+from hetero_plugins.scheduler.relocation import Relocator
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, simulate
+
+
+def _eager(bias: float = 5.0) -> PlacementNetwork:
+    """A network that values every move highly (so only the safety filter can stop a move)."""
+    net = PlacementNetwork.random(seed=0)
+    w, b = net.layers[-1]
+    net.layers[-1] = (w * 0.0, b + bias)
+    return net
+
+
+def test_drop_in_for_relocator_in_simulate():
+    sc = BUILTIN_SCENARIOS["interference"]
+    learned = LearnedRelocator(restart_cost=0.2)
+    out = simulate(sc, "equal_finish", relocation=learned)
+    greedy = simulate(sc, "equal_finish", relocation=Relocator(restart_cost=0.2))
+    assert out["steady_samples_per_s"] > 0 and len(out["epoch_times"]) == sc["epochs"]
+    assert learned.decisions > 0  # it was asked at the epoch boundaries, with the place ids the loop passes
+    assert learned._seen and all(isinstance(k, int) for k in learned._seen)
+    world = len(sc["ranks"])
+    for r in out["relocations"]:  # moves go to free places only
+        assert all(p >= world or p != rank for rank, p in r["moves"])
+    # the shipped model is at least no worse than staying on a scenario where moving pays
+    none = simulate(sc, "equal_finish")
+    assert out["steady_samples_per_s"] >= 0.99 * none["steady_samples_per_s"]
+    assert greedy["steady_samples_per_s"] > 0
+
+
+def test_never_takes_a_negative_gain_action():
+    rel = LearnedRelocator(_eager(), restart_cost=0.0)
+    # the only free slot is slower than every rank: even a network that loves moving stays
+    d = rel.propose(devices=["v100", "v100"], corunners=[None, None], next_corunners=[None, None],
+                    lines=[(0.005, 0.0005), (0.005, 0.0005)], free_slots=[{"device": "v100", "corunner": "video"}],
+                    global_batch=256, steps_per_epoch=10, epochs_left=20)
+    assert d.moves == []
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # random clusters: every move taken is predicted faster on the greedy's lines
+        n = int(rng.integers(2, 8))
+        lines = [(float(rng.uniform(0.001, 0.01)), float(rng.uniform(1e-4, 2e-3))) for _ in range(n)]
+        slots = [{"device": "v100", "corunner": [None, "video", "etl"][int(rng.integers(3))]}
+                 for _ in range(int(rng.integers(1, 4)))]
+        d = rel.propose(devices=["v100"] * n, corunners=[None] * n, next_corunners=[None] * n, lines=lines,
+                        free_slots=slots, global_batch=64 * n, steps_per_epoch=10, epochs_left=10)
+        assert d.step_time <= d.current_step_time
+    own = [{"intercept": 0.0, "slope": 1e-3, "data": 0.0}] * 2
+    assert candidate_actions(own, [{"intercept": 0.0, "slope": 2e-3, "data": 0.0, "free_slot": 0}], 100) == []
+
+
+def _move_then_observe(rel: LearnedRelocator, observed_slope: float) -> None:
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, None],
+              global_batch=512, steps_per_epoch=20, epochs_left=10, homes=[0, 1], restart_cost=0.0)
+    d = rel.propose(lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100", "place": 2}],
+                    places=[0, 1], epoch=0, **kw)
+    assert d.moves == [(1, 0)]
+    rel.propose(lines=[(0.005, 0.0005), (0.005, observed_slope)], free_slots=[{"device": "t4", "place": 1}],
+                places=[0, 2], epoch=1, **kw)
+
+
+def test_online_update_changes_weights_and_offline_does_not():
+    online = LearnedRelocator(_eager(), online=True, update_every=1, restart_cost=0.0)
+    before = [w.copy() for w, _ in online.net.layers]
+    _move_then_observe(online, observed_slope=0.0011)  # the move gained far less than predicted
+    assert online.updates == 1 and len(online.replay) == 1
+    assert any(not np.allclose(a, w) for a, (w, _) in zip(before, online.net.layers))
+    assert online.residual > 0.05  # the observed error is remembered as a feature
+    offline = LearnedRelocator(_eager(), online=False, restart_cost=0.0)
+    _move_then_observe(offline, observed_slope=0.0011)
+    assert offline.updates == 0 and all(np.allclose(a, w) for a, (w, _) in zip(before, offline.net.layers))
+
+
+def test_model_roundtrip_and_schema_check(tmp_path):
+    net = PlacementNetwork.random(seed=3)
+    path = net.save(tmp_path / "p.npz", note="x")
+    back = PlacementNetwork.load(path)
+    x = np.random.default_rng(0).normal(size=(5, len(PLACEMENT_FEATURES)))
+    np.testing.assert_allclose(back(x), net(x), rtol=1e-5, atol=1e-6)
+    assert back.meta["note"] == "x" and back.meta["features"] == list(PLACEMENT_FEATURES)
+    shipped = PlacementNetwork.load(None)
+    assert shipped(x).shape == (5,)
+    with pytest.raises(ValueError, match="features"):
+        PlacementNetwork([(np.zeros((3, 4)), np.zeros(4)), (np.zeros((4, 1)), np.zeros(1))])
+    with pytest.raises(ValueError, match="HINT"):
+        PlacementNetwork.load(tmp_path / "missing.npz")
+
+
+def test_pretrain_placement_command_tiny_run_and_resume(tmp_path, capsys):
+    out = tmp_path / "placement.npz"
+    args = ["--out", str(out), "--seconds", "30", "--rounds", "1", "--train", "3", "--val", "1", "--episodes", "1",
+            "--fit-steps", "50"]
+    assert pretrain_placement_main(args) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["rounds"] == 1 and out.is_file() and (tmp_path / "placement.npz.ckpt.npz").is_file()
+    PlacementNetwork.load(out)
+    args[args.index("--rounds") + 1] = "2"
+    assert pretrain_placement_main(args) == 0  # resumes from round 1
+    assert json.loads(capsys.readouterr().out)["rounds"] == 2
+    assert pretrain_placement_main(["--seconds", "0"]) == 2
+
+
+def test_make_relocator_names():
+    from hetero_plugins.scheduler.placement_policy import make_relocator
+    from hetero_plugins.scheduler.sim import load_scenario
+
+    sc = load_scenario("interference")
+    assert make_relocator("none", sc) is None
+    assert type(make_relocator("greedy", sc)) is Relocator
+    learned = make_relocator("learned", sc)
+    assert isinstance(learned, LearnedRelocator) and learned.restart_cost == sc.restart_cost
+    with pytest.raises(ValueError, match="HINT"):
+        make_relocator("best", sc)
