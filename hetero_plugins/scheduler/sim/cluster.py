@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hetero_plugins.scheduler.sim.scenario import Scenario, load_scenario
+from hetero_plugins.scheduler.sim.scenario import DeviceType, Scenario, load_scenario
 
-__all__ = ["ClusterSim"]
+__all__ = ["ClusterSim", "min_makespan_curves"]
 
 
 class ClusterSim:
@@ -28,6 +28,14 @@ class ClusterSim:
         self._a = np.asarray(sc.intercept, dtype=np.float64)
         self._beta = np.asarray(sc.slope, dtype=np.float64)
         self._data = np.asarray(sc.data, dtype=np.float64)
+        types = sc.device_types or {d: DeviceType(i, b, m) for d, i, b, m in
+                                    zip(sc.device, sc.intercept, sc.slope, sc.max_batch)}
+        self._types = types
+        self._linear = all(types[d].linear for d in self.place_devices())
+        pd = self.place_devices()
+        self._sat = np.array([float(types[d].saturation) for d in pd])
+        self._cliff_at = np.array([np.inf if types[d].cliff_at is None else float(types[d].cliff_at) for d in pd])
+        self._cliff_extra = np.array([types[d].cliff_factor - 1.0 for d in pd])
 
     @property
     def world_size(self) -> int:
@@ -63,6 +71,38 @@ class ClusterSim:
                     out[r] = ev["corunner"]
         return out
 
+    def slot_corunners(self, epoch: int) -> list[str | None]:
+        """Each free slot's co-runner in ``epoch`` (its own, then the slot events up to ``epoch``)."""
+        out = [s["corunner"] for s in self.scenario.free_slots]
+        for ev in self.scenario.slot_events:
+            if ev["epoch"] <= epoch and "corunner" in ev:
+                out[ev["slot"]] = ev["corunner"]
+        return out
+
+    def slot_taken(self, epoch: int) -> np.ndarray:
+        """Whether each free slot is taken by another job in ``epoch`` (slot events ``taken``): a taken slot is
+        offered to nobody, except that a slot one of the job's ranks occupies stays the job's."""
+        out = np.zeros(len(self.scenario.free_slots), dtype=bool)
+        for ev in self.scenario.slot_events:
+            if ev["epoch"] <= epoch and "taken" in ev:
+                out[ev["slot"]] = ev["taken"]
+        return out
+
+    def place_taken(self, epoch: int) -> np.ndarray:
+        """Whether each place is taken by another job in ``epoch`` (ranks' own places never are)."""
+        return np.concatenate([np.zeros(self.world_size, dtype=bool), self.slot_taken(epoch)])
+
+    def work(self, plan: Sequence[int] | np.ndarray, places: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """Effective samples of local batches ``plan`` on ``places`` (default: the ranks' own), so that a step
+        takes ``(intercept + slope * work) * noise + data`` (:class:`~hetero_plugins.scheduler.sim.scenario.DeviceType`)."""
+        b = np.asarray(plan, dtype=np.float64)
+        if self._linear:
+            return b
+        idx = np.arange(len(b)) if places is None else np.asarray(places, dtype=np.int64)
+        w = np.maximum(b, self._sat[idx])
+        extra = self._cliff_extra[idx]
+        return w + extra * np.maximum(0.0, b - np.where(extra > 0, self._cliff_at[idx], 0.0))
+
     def params(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Noise-free ``(intercept, slope, data)`` per rank in ``epoch``."""
         m = self.multipliers(epoch)
@@ -91,7 +131,7 @@ class ClusterSim:
         if ranks is not None:
             idx = np.asarray(ranks, dtype=np.int64)
             a, beta, data, noise = a[idx], beta[idx], data[idx], noise[idx]
-        compute = (a + beta * np.asarray(plan, dtype=np.float64)) * noise
+        compute = (a + beta * self.work(plan, ranks)) * noise
         return compute, data
 
     def slots(self, epoch: int) -> list[dict[str, Any]]:
@@ -102,12 +142,14 @@ class ClusterSim:
         co = self.corunners(epoch)
         out = [{"device": sc.device[r], "corunner": co[r], "data": float(data[r]), "intercept": float(a[r]),
                 "slope": float(beta[r]), "max_batch": sc.max_batch[r], "rank": int(r)} for r in self.active(epoch)]
-        types = {d: (i, b, m) for d, i, b, m in zip(sc.device, sc.intercept, sc.slope, sc.max_batch)}
+        sco, taken = self.slot_corunners(epoch), self.slot_taken(epoch)
         for k, slot in enumerate(sc.free_slots):
-            i, b, m = types[slot["device"]]
-            f = sc.interference[slot["corunner"]].get(slot["device"], 1.0) if slot["corunner"] else 1.0
-            out.append({"device": slot["device"], "corunner": slot["corunner"], "data": slot["data"],
-                        "intercept": i * f, "slope": b * f, "max_batch": m, "rank": None, "free_slot": k})
+            t = self._types[slot["device"]]
+            c = sco[k]
+            f = sc.interference[c].get(slot["device"], 1.0) if c else 1.0
+            out.append({"device": slot["device"], "corunner": c, "data": slot["data"],
+                        "intercept": t.overhead * f, "slope": t.cost_per_sample * f, "max_batch": t.memory_samples,
+                        "rank": None, "free_slot": k, "taken": bool(taken[k])})
         return out
 
     def slot_noise(self, epoch: int, step: int, slots: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -137,25 +179,25 @@ class ClusterSim:
     def place_caps(self) -> list[int | None]:
         """Memory cap (largest local batch) of every place."""
         sc = self.scenario
-        types = dict(zip(sc.device, sc.max_batch))
-        return list(sc.max_batch) + [types.get(s["device"]) for s in sc.free_slots]
+        return list(sc.max_batch) + [self._types[s["device"]].memory_samples for s in sc.free_slots]
 
     def place_corunners(self, epoch: int) -> list[str | None]:
-        """The co-runner of every place in ``epoch`` (a free slot's is fixed)."""
-        return self.corunners(epoch) + [s["corunner"] for s in self.scenario.free_slots]
+        """The co-runner of every place in ``epoch`` (a free slot's own, changed by slot events)."""
+        return self.corunners(epoch) + self.slot_corunners(epoch)
 
     def place_multipliers(self, epoch: int) -> np.ndarray:
         """The time multiplier of every place in ``epoch`` (events apply to the place a rank started on)."""
         sc = self.scenario
-        free = [sc.interference[s["corunner"]].get(s["device"], 1.0) if s["corunner"] else 1.0 for s in sc.free_slots]
+        free = [sc.interference[c].get(s["device"], 1.0) if c else 1.0
+                for s, c in zip(sc.free_slots, self.slot_corunners(epoch))]
         return np.concatenate([self.multipliers(epoch), np.asarray(free, dtype=np.float64)])
 
     def place_params(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Noise-free ``(intercept, slope, data)`` of every place in ``epoch``."""
+        """Noise-free ``(intercept, slope, data)`` of every place in ``epoch`` (the curve's line part; see :meth:`work`)."""
         sc = self.scenario
-        types = {d: (i, b) for d, i, b in zip(sc.device, sc.intercept, sc.slope)}
-        a0 = np.concatenate([self._a, [types[s["device"]][0] for s in sc.free_slots]])
-        b0 = np.concatenate([self._beta, [types[s["device"]][1] for s in sc.free_slots]])
+        types = self._types
+        a0 = np.concatenate([self._a, [types[s["device"]].overhead for s in sc.free_slots]])
+        b0 = np.concatenate([self._beta, [types[s["device"]].cost_per_sample for s in sc.free_slots]])
         data = np.concatenate([self._data, [s["data"] for s in sc.free_slots]])
         m = self.place_multipliers(epoch)
         return a0 * m, b0 * m, data
@@ -180,4 +222,76 @@ class ClusterSim:
     def true_makespan(self, epoch: int, plan: Sequence[int]) -> float:
         """Noise-free step time (slowest rank, data time included) of ``plan`` in ``epoch``."""
         a, beta, data = self.params(epoch)
-        return float(np.max(a + beta * np.asarray(plan, dtype=np.float64) + data))
+        return float(np.max(a + beta * self.work(plan) + data))
+
+
+def min_makespan_curves(times: Callable[[np.ndarray], np.ndarray], global_batch: int, min_batch: Sequence[int] | np.ndarray,
+                        max_batch: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Exact integer min-makespan split for per-rank nondecreasing step-time functions.
+
+    ``times(b)`` maps an integer vector of local batches (one per rank) to the ranks' step times, each
+    nondecreasing in its own batch (a saturation plateau, a memory cliff: any shape). The smallest makespan
+    ``T*`` is one of the values ``t_i(b)``; bisection on ``T`` down to adjacent floats finds it exactly, with each
+    rank's largest ``b`` in ``[min_batch, max_batch]`` such that ``t_i(b) <= T`` found by an integer bisection
+    bracketed by the counts at the current ends. The surplus samples at ``T*`` leave the ranks that finish last
+    (which keeps the makespan at ``T*``).
+
+    Raises:
+        ValueError: when ``max_batch`` sums to less than ``global_batch`` or ``min_batch`` to more.
+
+    Example::
+
+        >>> t = lambda b: np.array([0.001, 0.003]) * np.maximum(b, [0, 150])
+        >>> min_makespan_curves(t, 400, [1, 1], [400, 400]).tolist()   # rank 1 is saturated below 150 samples
+        [250, 150]
+    """
+    lo = np.asarray(min_batch, dtype=np.int64)
+    hi = np.asarray(max_batch, dtype=np.int64)
+    if int(hi.sum()) < global_batch or int(lo.sum()) > global_batch or np.any(lo > hi):
+        raise ValueError(f"min_makespan_curves: bounds min_batch={lo.tolist()} max_batch={hi.tolist()} cannot hold "
+                         f"global_batch={global_batch}. HINT: use bounds with sum(min) <= global_batch <= sum(max).")
+
+    def counts(t: float, c_lo: np.ndarray, c_hi: np.ndarray) -> np.ndarray:
+        """Largest b in [c_lo, c_hi] with times(b) <= t per rank (c_lo is known to qualify or be lo - 1)."""
+        left, right = c_lo.copy(), c_hi.copy()
+        while np.any(left < right):
+            mid = (left + right + 1) // 2
+            ok = times(np.maximum(mid, lo)) <= t
+            left = np.where(ok, mid, left)
+            right = np.where(ok, right, mid - 1)
+        return left
+
+    t_lo = float(np.max(times(lo)))  # no makespan is below the slowest rank at its smallest batch
+    c_top = hi.copy()
+    c_bottom = counts(t_lo, lo - 1, hi)
+    if int(c_bottom.sum()) >= global_batch:
+        t_hi, c_hi = t_lo, c_bottom
+    else:
+        t_hi, c_hi = float(np.max(times(hi))), c_top
+        c_lo = c_bottom
+        while True:  # invariant: counts(t_lo) < global_batch <= counts(t_hi)
+            mid = t_lo + 0.5 * (t_hi - t_lo)
+            if not t_lo < mid < t_hi:
+                break
+            c = counts(mid, c_lo, c_hi)
+            if int(c.sum()) >= global_batch:
+                t_hi, c_hi = mid, c
+            else:
+                t_lo, c_lo = mid, c
+    b = c_hi.copy()
+    surplus = int(b.sum()) - int(global_batch)
+    for _ in range(64):  # give back one sample at a time from the ranks that finish last
+        if surplus <= 0:
+            break
+        t = times(b).astype(np.float64)
+        t[b <= lo] = -np.inf
+        k = min(surplus, int(np.isfinite(t).sum()))
+        idx = np.argpartition(-t, k - 1)[:k]
+        b[idx] -= 1
+        surplus -= k
+    if surplus > 0:  # long plateaus: the latest finishers give back all they can at once
+        order = np.argsort(-times(b), kind="stable")
+        room = (b - lo)[order]
+        take = np.minimum(room, np.maximum(0, surplus - (np.cumsum(room) - room)))
+        b[order] -= take
+    return b

@@ -18,7 +18,7 @@ from hetero_plugins.metrics import straggler_level
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.problem import DecisionProblem
 from hetero_plugins.scheduler.relocation import Relocator
-from hetero_plugins.scheduler.sim.cluster import ClusterSim
+from hetero_plugins.scheduler.sim.cluster import ClusterSim, min_makespan_curves
 from hetero_plugins.scheduler.sim.scenario import Scenario
 
 __all__ = ["decision_problems", "oracle", "simulate"]
@@ -149,8 +149,9 @@ class _Loop:
         total, self.pending_cost = self.pending_cost, 0.0
         planv = np.asarray(plan, dtype=np.float64)
         busy = 0.0
+        work = sim.work(planv, here)
         for s in range(sc.steps_per_epoch):
-            compute = (a_p[here] + b_p[here] * planv) * sim.place_noise(e, s)[here]
+            compute = (a_p[here] + b_p[here] * work) * sim.place_noise(e, s)[here]
             data = d_p[here]
             records[:, s, 0] = plan
             records[:, s, 1] = compute
@@ -307,27 +308,39 @@ def oracle(
     placement: bool = True,
 ) -> dict[str, Any]:
     """The oracle: every epoch, the best placement (over the ranks' own and the free slots) and the
-    equal-finish split on the *true* times (data time included, memory caps respected), run under the same
-    noise as :func:`simulate`. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans``,
+    makespan-optimal split on the *true* times (data time included, memory caps respected), run under the same
+    noise as :func:`simulate`. Linear step times are split by the equal-finish allocator; nonlinear curves
+    (saturation, memory cliffs) by the exact integer solver :func:`~hetero_plugins.scheduler.sim.cluster.min_makespan_curves`,
+    so the split is the exact min-makespan one either way. A free slot taken by another job is not used, except
+    one the oracle held in the epoch before. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans``,
     ``placements`` (slot descriptions per epoch) and the busy fractions as :func:`simulate` does."""
     sim = ClusterSim(scenario, seed=seed)
     sc = sim.scenario
     epochs = sc.epochs if epochs is None else int(epochs)
     ef = EqualFinishAllocator()
     times, plans, placements, busy = [], [], [], []
+    held: set[int] = set()
     for e in range(epochs):
-        slots = sim.slots(e)
+        slots = [x for x in sim.slots(e) if not x.get("taken") or x.get("free_slot") in held]
         n = len(sim.active(e))
         pick = best_placement(slots, n, sc.global_batch) if placement and len(slots) > n else list(range(n))
         chosen = [slots[k] for k in pick]
-        models = [TimeModelParams(x["intercept"] + x["data"], x["slope"]) for x in chosen]
-        bounds = Bounds((1,) * n, tuple(sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen))
-        plan = np.asarray(ef.allocate(models, sc.global_batch, bounds), dtype=np.float64)
+        held = {int(x["free_slot"]) for x in chosen if x.get("free_slot") is not None}
+        caps = [sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen]
         a = np.array([x["intercept"] for x in chosen])
         beta = np.array([x["slope"] for x in chosen])
         data = np.array([x["data"] for x in chosen])
+        where = np.array([x["rank"] if x["rank"] is not None else sim.world_size + x["free_slot"] for x in chosen],
+                         dtype=np.int64)
+        if sc.linear:
+            models = [TimeModelParams(x["intercept"] + x["data"], x["slope"]) for x in chosen]
+            plan = np.asarray(ef.allocate(models, sc.global_batch, Bounds((1,) * n, tuple(caps))), dtype=np.float64)
+        else:
+            plan = min_makespan_curves(lambda b: a + beta * sim.work(b, where) + data, sc.global_batch,
+                                       np.ones(n, dtype=np.int64), np.asarray(caps, dtype=np.int64)).astype(np.float64)
+        work = sim.work(plan, where)
         comm = sim.allreduce_time(n)
-        compute = [(a + beta * plan) * sim.slot_noise(e, s, chosen) for s in range(sc.steps_per_epoch)]
+        compute = [(a + beta * work) * sim.slot_noise(e, s, chosen) for s in range(sc.steps_per_epoch)]
         total = sum(float(np.max(c + data)) + comm for c in compute)
         times.append(total)
         busy.append(float(sum(c.sum() for c in compute)) / (n * total) if total > 0 else 0.0)

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hetero_plugins.scheduler.sim.builtin import BUILTIN_SCENARIOS
 
-__all__ = ["DEFAULT_CORUNNERS", "EVENT_KINDS", "SCENARIO_FIELDS", "Scenario", "load_scenario"]
+__all__ = ["DEFAULT_CORUNNERS", "EVENT_KINDS", "SCENARIO_FIELDS", "DeviceType", "Scenario", "load_scenario"]
 
 EVENT_KINDS = ("speed", "ramp", "corunner", "lost")
 
@@ -22,6 +24,41 @@ _SCHEMA_HINT = (
     '"epochs"?: 20, "noise"?: 0.05, "events"?: [{"epoch": 5, "rank": 3, "corunner": "memcpy"}], "seed"?: 0} '
     "(see docs/scheduler.md)"
 )
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """A device type's step-time curve: ``overhead + cost_per_sample * work(b)`` seconds for a local batch ``b``.
+
+    ``work(b) = max(b, saturation) + (cliff_factor - 1) * max(0, b - cliff_at)``: below ``saturation`` samples
+    the device is not saturated and a smaller batch takes no less time; beyond ``cliff_at`` samples (near the
+    memory capacity) each further sample costs ``cliff_factor`` times as much. Both default to a linear line.
+
+    Example::
+
+        >>> DeviceType(0.01, 0.001, 512, saturation=32, cliff_at=400, cliff_factor=3.0).work(np.array([8, 100, 410])).tolist()
+        [32.0, 100.0, 430.0]
+    """
+
+    overhead: float
+    cost_per_sample: float
+    memory_samples: int | None = None
+    saturation: int = 0
+    cliff_at: int | None = None
+    cliff_factor: float = 1.0
+
+    @property
+    def linear(self) -> bool:
+        """Whether the curve is a plain line (no saturation, no cliff)."""
+        return self.saturation == 0 and (self.cliff_at is None or self.cliff_factor == 1.0)
+
+    def work(self, b: Any) -> np.ndarray:
+        """Effective samples of local batches ``b`` (an array), so that time = overhead + cost * work(b)."""
+        b = np.asarray(b, dtype=np.float64)
+        w = np.maximum(b, float(self.saturation))
+        if self.cliff_at is not None and self.cliff_factor != 1.0:
+            w = w + (self.cliff_factor - 1.0) * np.maximum(0.0, b - float(self.cliff_at))
+        return w
 
 
 @dataclass(frozen=True)
@@ -50,6 +87,9 @@ class Scenario:
         free_slots: idle places a rank could be relocated to, each ``{"device", "corunner", "data"}``.
         restart_cost: seconds a relocation restart costs (checkpoint, relaunch, reload), charged to the epoch
             after a policy relocates ranks (:func:`~hetero_plugins.scheduler.sim.simulate` with ``relocation``).
+        device_types: every device type's curve by name (free slots may be of a type no rank starts on).
+        slot_events: events on free slots, each ``{"epoch", "slot", "taken": bool}`` (another job takes the slot,
+            or frees it) or ``{"epoch", "slot", "corunner": name or None}``, sorted by epoch.
     """
 
     name: str
@@ -71,6 +111,13 @@ class Scenario:
     allreduce: tuple[float, float, float] = (0.0, 0.0, 0.0)
     free_slots: tuple[dict[str, Any], ...] = ()
     restart_cost: float = 0.2
+    device_types: dict[str, DeviceType] = field(default_factory=dict)
+    slot_events: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def linear(self) -> bool:
+        """Whether every device type's step time is linear in the batch size."""
+        return all(t.linear for t in self.device_types.values())
 
     @property
     def world_size(self) -> int:
@@ -101,10 +148,13 @@ SCENARIO_FIELDS = ("name", "description", "workload", "ranks", "devices", "free_
                    "steps_per_epoch", "noise", "events", "seed", "interference", "allreduce", "restart_cost")
 _EVENT_HINT = ('use {"epoch": e, "rank": r (or "ranks": [r, ...]), ...} with one of "corunner": name or null '
                '(arrives / leaves), "speed": factor (time multiplier), "ramp": factor with "over": epochs, "lost": true, '
-               'or {"epoch": e, "add": {"device": name, "corunner": null}} (a rank joins).')
+               'or {"epoch": e, "add": {"device": name, "corunner": null}} (a rank joins), '
+               'or {"epoch": e, "slot": k, "taken": true|false} / {"epoch": e, "slot": k, "corunner": name or null} '
+               '(free slot k is taken by / freed from another job, or gets / loses a co-runner).')
+_DEVICE_KEYS = ("cost_per_sample", "overhead", "memory_samples", "saturation", "cliff")
 
-#: A device type: (overhead seconds per step, seconds per sample, memory cap in samples or None).
-_DeviceTypes = dict[str, tuple[float, float, int | None]]
+#: The device types by name.
+_DeviceTypes = dict[str, DeviceType]
 #: Checks a co-runner name against the interference table: ``corunner(field, name) -> name``.
 _CorunnerCheck = Callable[[str, Any], Any]
 
@@ -160,14 +210,24 @@ def _parse_devices(spec: dict[str, Any]) -> _DeviceTypes:
         if not isinstance(t, dict):
             raise _err(f, t, 'use {"cost_per_sample": seconds, "overhead": seconds per step, "memory_samples": n}.')
         for k in t:
-            if k not in ("cost_per_sample", "overhead", "memory_samples"):
-                raise _err(f"{f}.{k}", t[k], "remove it; a device has cost_per_sample, overhead and memory_samples.")
+            if k not in _DEVICE_KEYS:
+                raise _err(f"{f}.{k}", t[k], "remove it; a device has cost_per_sample, overhead, memory_samples "
+                           "and optionally saturation and cliff.")
         if "cost_per_sample" not in t:
             raise ValueError(f"scenario field `{f}.cost_per_sample` is missing. HINT: give seconds per sample, e.g. 0.001.")
         mb = t.get("memory_samples")
-        types[d] = (float(_num(f"{f}.overhead", t.get("overhead", 0.0))),
-                    float(_num(f"{f}.cost_per_sample", t["cost_per_sample"], strict=True)),
-                    None if mb is None else _num(f"{f}.memory_samples", mb, minimum=1, integer=True))
+        cliff = t.get("cliff")
+        at, factor = None, 1.0
+        if cliff is not None:
+            if not isinstance(cliff, dict) or set(cliff) != {"at", "factor"}:
+                raise _err(f"{f}.cliff", cliff, 'use {"at": samples, "factor": f >= 1} (each sample beyond `at` costs '
+                           "f times as much) or leave it out.")
+            at = _num(f"{f}.cliff.at", cliff["at"], minimum=1, integer=True)
+            factor = float(_num(f"{f}.cliff.factor", cliff["factor"], minimum=1.0))
+        types[d] = DeviceType(float(_num(f"{f}.overhead", t.get("overhead", 0.0))),
+                              float(_num(f"{f}.cost_per_sample", t["cost_per_sample"], strict=True)),
+                              None if mb is None else _num(f"{f}.memory_samples", mb, minimum=1, integer=True),
+                              _num(f"{f}.saturation", t.get("saturation", 0), minimum=0, integer=True), at, factor)
     return types
 
 
@@ -234,6 +294,8 @@ def _parse_events(spec: dict[str, Any], types: _DeviceTypes, corunner: _Corunner
         if not isinstance(ev, dict) or "epoch" not in ev:
             raise _err(f, ev, _EVENT_HINT)
         epoch = _num(f"{f}.epoch", ev["epoch"], minimum=0, integer=True)
+        if "slot" in ev:  # checked with the free slots (see _parse_slot_events)
+            continue
         actions = [a for a in ("corunner", "speed", "ramp", "lost", "add") if a in ev]
         extra = set(ev) - {"epoch", "rank", "ranks", "over", *actions}
         if len(actions) != 1 or extra:
@@ -331,6 +393,32 @@ def _parse_slots(spec: dict[str, Any], types: _DeviceTypes, corunner: _CorunnerC
     return parsed
 
 
+def _parse_slot_events(spec: dict[str, Any], slots: list[dict[str, Any]], corunner: _CorunnerCheck
+                       ) -> list[dict[str, Any]]:
+    """The ``events`` on free slots: ``{"epoch", "slot": k, "taken": bool}`` or ``{"epoch", "slot": k, "corunner"}``."""
+    out = []
+    for k, ev in enumerate(spec.get("events", [])):
+        if "slot" not in ev:
+            continue
+        f = f"events[{k}]"
+        extra = set(ev) - {"epoch", "slot", "taken", "corunner"}
+        if extra or ("taken" in ev) == ("corunner" in ev):
+            raise _err(f, ev, 'a free-slot event is {"epoch": e, "slot": k, "taken": true|false} or '
+                       '{"epoch": e, "slot": k, "corunner": name or null}.')
+        s = ev["slot"]
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < len(slots):
+            raise _err(f"{f}.slot", s, f"use the index of a free slot in [0, {len(slots) - 1}]." if slots
+                       else "add free_slots first; this scenario has none.")
+        if "taken" in ev:
+            if not isinstance(ev["taken"], bool):
+                raise _err(f"{f}.taken", ev["taken"], "use true (another job takes the slot) or false (it is freed).")
+            out.append({"epoch": ev["epoch"], "slot": s, "taken": ev["taken"]})
+        else:
+            out.append({"epoch": ev["epoch"], "slot": s, "corunner": corunner(f"{f}.corunner", ev["corunner"])})
+    out.sort(key=lambda ev: ev["epoch"])  # stable
+    return out
+
+
 def _parse(spec: dict[str, Any], default_name: str) -> Scenario:
     """Validate a scenario in the scenario schema (see :func:`load_scenario`) and build the :class:`Scenario`.
 
@@ -345,19 +433,20 @@ def _parse(spec: dict[str, Any], default_name: str) -> Scenario:
     events = _parse_events(spec, types, corunner, roster)
     epochs = _num("epochs", spec.get("epochs", 10), minimum=1, integer=True)
     gb = _num("global_batch", spec["global_batch"], minimum=1, integer=True)
-    caps = [types[d][2] for d in roster.device]
+    caps = [types[d].memory_samples for d in roster.device]
     _check_membership(roster, caps, epochs, gb, events)
     workload = spec.get("workload", "training")
     if not isinstance(workload, str) or not workload:
         raise _err("workload", workload, "use a string such as 'resnet' or 'training'.")
     allreduce = _parse_allreduce(spec)
     free_slots = _parse_slots(spec, types, corunner)
+    slot_events = _parse_slot_events(spec, free_slots, corunner)
     return Scenario(
         name=name,
         global_batch=gb,
         device=tuple(roster.device),
-        intercept=tuple(types[d][0] for d in roster.device),
-        slope=tuple(types[d][1] for d in roster.device),
+        intercept=tuple(types[d].overhead for d in roster.device),
+        slope=tuple(types[d].cost_per_sample for d in roster.device),
         max_batch=tuple(caps),
         data=tuple(roster.data),
         events=tuple(roster.events),
@@ -372,6 +461,8 @@ def _parse(spec: dict[str, Any], default_name: str) -> Scenario:
         allreduce=allreduce,
         free_slots=tuple(free_slots),
         restart_cost=float(_num("restart_cost", spec.get("restart_cost", 0.2))),
+        device_types=types,
+        slot_events=tuple(slot_events),
     )
 
 
@@ -379,9 +470,11 @@ def load_scenario(source: Scenario | str | Path | Mapping[str, Any]) -> Scenario
     """Validate a scenario given as a built-in name, a JSON file path or a dict (a :class:`Scenario` passes through).
 
     The schema (documented in docs/scheduler.md): ``ranks`` (``device``, ``corunner``, ``data``,
-    ``count``), ``devices`` (``cost_per_sample``, ``overhead``, ``memory_samples``), ``global_batch`` and the
+    ``count``), ``devices`` (``cost_per_sample``, ``overhead``, ``memory_samples``, ``saturation``, ``cliff``:
+    see :class:`DeviceType`), ``global_batch`` and the
     optional ``free_slots``, ``epochs``, ``steps_per_epoch``, ``noise``, ``seed``, ``allreduce``,
-    ``interference``, ``events``, ``name``, ``workload``, ``description``.
+    ``interference``, ``events`` (on ranks, or on free slots: ``{"epoch", "slot", "taken"}`` and
+    ``{"epoch", "slot", "corunner"}``), ``name``, ``workload``, ``description``.
 
     Raises:
         ValueError: naming the offending field, the value and the fix.
