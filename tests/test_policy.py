@@ -118,7 +118,8 @@ def test_guard_keeps_relocations_only_when_the_models_are_trusted():
               global_batch=512, steps_per_epoch=20, epochs_left=5)
     assert guarded.propose(**kw).moves == [] and guarded.last_reason == "no measured residuals yet"
     models = [P(0.005, 0.0005), P(0.006, 0.0012)]
-    auto.allocate(models, 512, Bounds.uniform(2))
-    auto.allocate(models, 512, Bounds.uniform(2))  # the lines predicted the epoch: residuals 0
+    for _ in range(2):  # two epoch boundaries; the lines predicted the epoch between them: residuals 0
+        auto.set_context(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, None])
+        auto.allocate(models, 512, Bounds.uniform(2))
     assert auto.noise() == 0.0
     assert guarded.propose(**kw).moves == [(1, 0)] and guarded.kept == 1 and guarded.vetoed == 1

@@ -28,6 +28,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.balancing.allocators import Allocator, fitted_models, min_makespan_split, register_allocator
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.interference import interference_correction
+from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.relocation import Relocation
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,9 @@ class DQNAllocator(Allocator):
             off (then this is ``equal_finish``); an ``InterferencePredictor``, an ``InterferenceCorrection`` or
             an NCF model file uses that predictor. It acts only when :meth:`set_context` names co-runners (the
             simulator does; Lightning runs do with ``cluster=``).
+        unseen_device: what a device type the NCF was not trained on gets: ``"mean"`` (default) the mean of
+            the NCF's predictions over the device types it knows (the co-runner's typical slowdown; needs a
+            predictor with a ``devices`` vocabulary), ``"skip"`` no correction for that rank.
 
     The options of the former chunk-assignment network (``model``, ``chunks_per_rank``, ``parallel``,
     ``online*``, ``seed``) are refused with a ``ValueError`` that says why.
@@ -107,9 +112,15 @@ class DQNAllocator(Allocator):
 
     name = "dqn"
 
-    def __init__(self, interference: Any = True, **removed: Any) -> None:
+    def __init__(self, interference: Any = True, unseen_device: str = "mean", **removed: Any) -> None:
         _refuse_removed(type(self).__name__, removed)
+        if unseen_device not in ("mean", "skip"):
+            raise ValueError(f"`unseen_device`={unseen_device!r} is not an option. HINT: use 'mean' or 'skip'.")
+        self.unseen_device = unseen_device
         self.correction = interference_correction(interference)
+        self._source = interference
+        self._vocabulary: list[str] | None = None
+        self._mean_cache: dict[tuple[str, str], float | None] = {}
         self._corunner_ctx: tuple[str, list[str], list[str | None], list[str | None]] | None = None
         self._factors: np.ndarray | None = None
 
@@ -151,11 +162,49 @@ class DQNAllocator(Allocator):
         ctx, self._corunner_ctx = self._corunner_ctx, None
         return ctx if ctx is not None and len(ctx[1]) == n else None
 
+    def _devices_known(self) -> list[str]:
+        if self._vocabulary is None:
+            source = self._source
+            if source is True or isinstance(source, (str, Path)):
+                try:
+                    source = InterferencePredictor.load(None if source in (None, True) else source)
+                except (OSError, ValueError):
+                    source = None
+            devices = getattr(source, "devices", None)
+            self._vocabulary = list(devices) if isinstance(devices, (list, tuple)) else []
+        return self._vocabulary
+
+    def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
+        """The NCF's slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one); for a device type
+        it does not know, with ``unseen_device="mean"``, the mean over the device types it knows; ``None``:
+        unknown."""
+        if self.correction is None:
+            return None
+        s = self.correction.slowdown(workload, device, corunner)
+        if s is not None or corunner is None or self.unseen_device != "mean":
+            return s
+        key = (workload, corunner)
+        if key not in self._mean_cache:
+            known = [self.correction.slowdown(workload, d, corunner) for d in self._devices_known()]
+            known = [x for x in known if x is not None]
+            self._mean_cache[key] = float(np.mean(known)) if known else None
+        return self._mean_cache[key]
+
     def ncf_factors(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None, n: int) -> np.ndarray:
-        """Per-rank NCF multipliers of the fitted lines for ``ctx`` (1 where nothing changes or a name is unknown)."""
+        """Per-rank NCF multipliers of the fitted lines for ``ctx``: ``NCF(next) / NCF(measured)`` (1 where
+        nothing changes or a name is unknown)."""
+        out = np.ones(n)
         if self.correction is None or ctx is None:
-            return np.ones(n)
-        return self.correction.factors(*ctx)
+            return out
+        workload, devices, old, new = ctx
+        for i in range(n):
+            if old[i] == new[i]:
+                continue
+            s0, s1 = self.slowdown(workload, devices[i], old[i]), self.slowdown(workload, devices[i], new[i])
+            if s0 is not None and s1 is not None and s0 > 0:
+                out[i] = s1 / s0
+                self.correction.corrections += 1
+        return out
 
     def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied)."""
@@ -205,7 +254,8 @@ class AutoAllocator(Allocator):
       the median measured one within ``agreement`` (relative), else the decision falls back.
     - *ensemble, second predictor*: where ``reference`` (a second predictor, e.g. an additive baseline) is
       given, the NCF's ratio must agree with its ratio within ``agreement`` too.
-    - *NCF track record*: every measured change also scores the NCF's prediction of it; once
+    - *NCF track record*: every measured change also scores the NCF's prediction of it (as does every line the
+      NCF predicted for a rank a guarded relocation moved); once
       ``min_record`` changes are scored, their median relative error must be at most ``max_ncf_error``.
     - *time models' residuals*: the fitted lines of ranks whose co-runner did not change must have predicted
       this epoch's times within ``max_noise`` (robust spread of the log residuals over the last three
@@ -213,11 +263,12 @@ class AutoAllocator(Allocator):
     - *unverified pairs*: a change never measured and not checked by ``reference`` is corrected only with
       ``trust_unverified`` (default ``True``: the NCF's track record and the residuals still apply).
 
-    :meth:`guard` wraps a relocator so that its moves are kept only under the same checks, and only when the
-    predicted gain exceeds three times the residual spread.
+    What is learned online: the measured ratios, the NCF's errors and the residuals, from every epoch boundary
+    the allocator sees with a context (:meth:`set_context`; calls without one, e.g. mid-epoch re-plans, are
+    not scored). :meth:`guard` wraps a relocator so that its moves are kept only under the same checks.
 
     Args:
-        interference: the NCF, as for :class:`DQNAllocator` (``False``: always ``equal_finish``).
+        interference, unseen_device: the NCF, as for :class:`DQNAllocator` (``False``: always ``equal_finish``).
         agreement: relative disagreement tolerated between the NCF's ratio and a measured (or ``reference``)
             ratio, in (0, 1].
         max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0.
@@ -240,9 +291,9 @@ class AutoAllocator(Allocator):
 
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
                  min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True,
-                 reference: Any = None, **removed: Any) -> None:
+                 reference: Any = None, unseen_device: str = "mean", **removed: Any) -> None:
         _refuse_removed(type(self).__name__, removed)
-        self.dqn = DQNAllocator(interference=interference)
+        self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device)
         self.agreement = check_float("agreement", agreement, minimum=0.0,
                                      hint="a relative tolerance such as 0.15")
         if not 0.0 < self.agreement <= 1.0:
@@ -267,6 +318,7 @@ class AutoAllocator(Allocator):
         self.ncf_errors: list[float] = []  #: log(NCF ratio / measured ratio) of every measured change
         self._residuals: deque[np.ndarray] = deque(maxlen=3)
         self._prev: dict[str, Any] | None = None
+        self._after_move: list[int] | None = None
 
     # ---------------------------------------------------------------- the shared context
     def set_context(self, **context: Any) -> None:
@@ -305,8 +357,10 @@ class AutoAllocator(Allocator):
         return float(math.exp(-np.median(v))) if v else None
 
     def _learn(self, models: Sequence[TimeModelParams], n: int, current: Sequence[int] | None) -> None:
-        """Compare the previous decision's lines with the lines measured since (residuals, measured ratios)."""
-        prev, self._prev = self._prev, None
+        """Compare the previous boundary's lines with the lines measured since: the residuals of ranks that stayed
+        put, the slowdown ratios of ranks whose co-runner changed, and the NCF's errors on both those and the
+        lines it predicted for relocated ranks."""
+        prev = self._prev
         if prev is None or prev["n"] != n:
             return
         plan = np.asarray(current if current is not None and len(current) == n else prev["plan"], dtype=np.float64)
@@ -316,18 +370,27 @@ class AutoAllocator(Allocator):
         ok = (t_obs > 0) & (t_raw > 0)
         ratio = np.log(np.where(ok, t_obs, 1.0) / np.where(ok, t_raw, 1.0))
         ctx = prev["ctx"]
-        changed = np.zeros(n, dtype=bool)
+        other = np.zeros(n, dtype=bool)
+        for i in prev["moved"]:
+            if ok[i]:
+                self.ncf_errors.append(float(-ratio[i]))  # the NCF-priced line of its new place vs measured
+            other[i] = True
         if ctx is not None:
             workload, devices, old, new = ctx
             for i in range(n):
-                if old[i] == new[i] or not ok[i]:
+                if old[i] == new[i] or not ok[i] or other[i]:
                     continue
-                changed[i] = True
+                other[i] = True
                 self.measured.setdefault((workload, devices[i], old[i], new[i]), []).append(float(ratio[i]))
                 f = prev["ncf"][i]
                 if f is not None:
                     self.ncf_errors.append(float(math.log(f) - ratio[i]))
-        self._residuals.append(ratio[ok & ~changed])
+        self._residuals.append(ratio[ok & ~other])
+
+    def moved(self, ranks: Sequence[int]) -> None:
+        """Tell the allocator that ``ranks`` were relocated (their lines are now predicted, not measured): the
+        next decision is a re-plan at the same boundary, and the next boundary scores those predictions."""
+        self._after_move = [int(r) for r in ranks]
 
     # ---------------------------------------------------------------- the gate
     def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray) -> str:
@@ -371,15 +434,17 @@ class AutoAllocator(Allocator):
             self.dqn._factors = None  # noqa: SLF001 - its own helper's state
             self.last_choice, self.last_reason = "equal_finish", "no fitted line for every rank"
             return self._keep_or_equal(global_batch, bounds, current)
-        self._learn(models, n, current)
+        after_move, self._after_move = self._after_move, None
+        if ctx is not None and after_move is None:
+            self._learn(models, n, current)
         factors = self.dqn.ncf_factors(ctx, n)
         ncf: list[float | None] = [None] * n
         if ctx is not None and self.correction is not None:
             workload, devices, old, new = ctx
             for i in range(n):
                 if old[i] != new[i]:
-                    s0, s1 = self.correction.slowdown(workload, devices[i], old[i]), \
-                        self.correction.slowdown(workload, devices[i], new[i])
+                    s0, s1 = self.dqn.slowdown(workload, devices[i], old[i]), \
+                        self.dqn.slowdown(workload, devices[i], new[i])
                     ncf[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
         if ctx is None or np.all(factors == 1.0):
             reason = "no co-runner change" if ctx is None or all(o == w for o, w in zip(ctx[2], ctx[3])) \
@@ -393,7 +458,12 @@ class AutoAllocator(Allocator):
                 log.info("auto allocator: equal_finish (%s)", reason)
         plan = self.dqn.split(models, global_batch, bounds, use)
         a, s = _arrays(models)
-        self._prev = {"n": n, "a": a.copy(), "s": s.copy(), "plan": list(plan), "ctx": ctx, "ncf": ncf}
+        if after_move is not None and self._prev is not None and self._prev["n"] == n:
+            # The re-plan after a relocation: the boundary's co-runner changes stay; movers are scored separately.
+            self._prev.update(a=a.copy(), s=s.copy(), plan=list(plan), moved=set(after_move))
+        elif ctx is not None or self._prev is None or self._prev["n"] != n:
+            self._prev = {"n": n, "a": a.copy(), "s": s.copy(), "plan": list(plan), "ctx": ctx, "ncf": ncf,
+                          "moved": set()}
         self.last_choice = "ncf" if use is not None else "equal_finish"
         self.last_reason = reason or "models agree"
         return plan
@@ -413,24 +483,29 @@ class AutoAllocator(Allocator):
             return self.last_reason
         return ""
 
-    def guard(self, relocator: Any) -> GuardedRelocator:
+    def guard(self, relocator: Any, noise_margin: float = 2.0) -> GuardedRelocator:
         """``relocator`` (anything with the ``Relocator.propose`` keywords) whose moves are kept only when
-        :meth:`trusted` and the predicted gain exceeds three residual spreads."""
-        return GuardedRelocator(relocator, self)
+        :meth:`trusted` and the predicted gain exceeds ``noise_margin`` residual spreads (chosen on the
+        family's validation split)."""
+        return GuardedRelocator(relocator, self, noise_margin)
 
 
 class GuardedRelocator:
     """A relocator whose moves an :class:`AutoAllocator` must trust (:meth:`AutoAllocator.guard`).
 
     Moves are vetoed (the decision becomes "stay") when the allocator does not trust its models
-    (:meth:`AutoAllocator.trusted`), when a slot a rank would move to has a measured slowdown in this run that
-    disagrees with the NCF's, or when the predicted gain is within three residual spreads. ``vetoed`` counts
-    them and ``last_reason`` says why.
+    (:meth:`AutoAllocator.trusted`: the NCF's track record, the residual spread, no residuals yet at the first
+    boundary, or a disagreement at this boundary), when a slot a rank would move to has a measured slowdown in
+    this run that disagrees with the NCF's, or when the predicted gain is within ``noise_margin`` residual
+    spreads. Kept moves are reported to the allocator (:meth:`AutoAllocator.moved`): at the next boundary the
+    lines the NCF predicted for the moved ranks are scored against what was measured, into the NCF's track
+    record. ``kept`` and ``vetoed`` count decisions and ``last_reason`` says why.
     """
 
-    def __init__(self, relocator: Any, allocator: AutoAllocator) -> None:
+    def __init__(self, relocator: Any, allocator: AutoAllocator, noise_margin: float = 2.0) -> None:
         if not hasattr(relocator, "propose"):
             raise ValueError(f"`relocator`={relocator!r} has no propose(). HINT: pass a Relocator or LearnedRelocator.")
+        self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0, hint="e.g. 2.0")
         self.inner = relocator
         self.allocator = allocator
         self.vetoed = 0
@@ -447,15 +522,15 @@ class GuardedRelocator:
             return why
         sigma = auto.noise() or 0.0
         gain = float(decision.predicted_gain)
-        if gain <= 3.0 * sigma:
-            return f"predicted gain {100 * gain:.1f}% within three residual spreads ({100 * sigma:.1f}%)"
-        corr = auto.correction
+        if gain <= self.noise_margin * sigma:
+            return (f"predicted gain {100 * gain:.1f}% within {self.noise_margin:g} residual spreads "
+                    f"({100 * sigma:.1f}%)")
         tol = math.log1p(auto.agreement)
         for _, k in decision.moves:
             slot = free_slots[k]
             d, c = slot.get("device"), slot.get("corunner")
             m = auto.measured_ratio(workload, d, None, c)
-            s = None if corr is None else corr.slowdown(workload, d, c)
+            s = auto.dqn.slowdown(workload, d, c)
             if m is not None and s is not None and abs(math.log(s / m)) > tol:
                 return f"slot {k} ({d}, {c}): NCF slowdown {s:.2f} disagrees with the measured {m:.2f}"
         return ""
@@ -469,6 +544,7 @@ class GuardedRelocator:
         self.last_reason = why or "models agree"
         if not why:
             self.kept += 1
+            self.allocator.moved([i for i, _ in decision.moves])
             return decision
         self.vetoed += 1
         log.info("auto: relocation vetoed (%s)", why)
