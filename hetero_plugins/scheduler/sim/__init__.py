@@ -22,9 +22,15 @@ Scenarios are JSON-like dicts validated by :func:`load_scenario`; :data:`BUILTIN
 and leave), ``dynamic`` (non-dedicated nodes: ramps, a speed change and slow input pipelines) and ``large``
 (1024 ranks).
 
+Device types may also have step times that are not linear in the batch size (``saturation``: a smaller
+batch than that takes no less time; ``cliff``: samples beyond a point near the memory capacity cost more), and
+free slots have events of their own (another job takes / frees them, co-runners on them).
+
 The modules: :mod:`~hetero_plugins.scheduler.sim.scenario` (the schema), :mod:`~hetero_plugins.scheduler.sim.builtin`
-(the built-in scenarios), :mod:`~hetero_plugins.scheduler.sim.cluster` (the true times) and
-:mod:`~hetero_plugins.scheduler.sim.loop` (the planner in the loop, the oracle, decision problems).
+(the built-in scenarios), :mod:`~hetero_plugins.scheduler.sim.cluster` (the true times),
+:mod:`~hetero_plugins.scheduler.sim.loop` (the planner in the loop, the oracle, decision problems),
+:mod:`~hetero_plugins.scheduler.sim.family` (generated scenario families split into train / val / test) and
+:mod:`~hetero_plugins.scheduler.sim.evaluate` (policies over many scenarios and seeds).
 
 Example::
 
@@ -38,20 +44,31 @@ Example::
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.problem import DecisionProblem
 from hetero_plugins.scheduler.sim.builtin import BUILTIN_SCENARIOS
-from hetero_plugins.scheduler.sim.cluster import ClusterSim
+from hetero_plugins.scheduler.sim.cluster import ClusterSim, min_makespan_curves
+from hetero_plugins.scheduler.sim.evaluate import best_analytic, evaluate
+from hetero_plugins.scheduler.sim.family import FAMILIES, SPLITS, family_scenarios, generate_scenario, split_of
 from hetero_plugins.scheduler.sim.loop import decision_problems, oracle, simulate
-from hetero_plugins.scheduler.sim.scenario import Scenario, load_scenario
+from hetero_plugins.scheduler.sim.scenario import DeviceType, Scenario, load_scenario
 # Module-level names of the single-file simulator, still importable from here.
 from hetero_plugins.scheduler.sim.scenario import DEFAULT_CORUNNERS, EVENT_KINDS, SCENARIO_FIELDS  # noqa: F401
 
 __all__ = [
     "BUILTIN_SCENARIOS",
+    "FAMILIES",
+    "SPLITS",
     "ClusterSim",
     "DecisionProblem",
+    "DeviceType",
     "Scenario",
+    "best_analytic",
     "decision_problems",
     "best_placement",
+    "evaluate",
+    "family_scenarios",
+    "generate_scenario",
     "load_scenario",
+    "min_makespan_curves",
     "oracle",
     "simulate",
+    "split_of",
 ]

@@ -94,7 +94,8 @@ class ClusterSim:
 
     def work(self, plan: Sequence[int] | np.ndarray, places: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Effective samples of local batches ``plan`` on ``places`` (default: the ranks' own), so that a step
-        takes ``(intercept + slope * work) * noise + data`` (:class:`~hetero_plugins.scheduler.sim.scenario.DeviceType`)."""
+        takes ``(intercept + slope * work) * noise + data``
+        (:class:`~hetero_plugins.scheduler.sim.scenario.DeviceType`)."""
         b = np.asarray(plan, dtype=np.float64)
         if self._linear:
             return b
@@ -193,7 +194,8 @@ class ClusterSim:
         return np.concatenate([self.multipliers(epoch), np.asarray(free, dtype=np.float64)])
 
     def place_params(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Noise-free ``(intercept, slope, data)`` of every place in ``epoch`` (the curve's line part; see :meth:`work`)."""
+        """Noise-free ``(intercept, slope, data)`` of every place in ``epoch`` (the curve's line part; see
+        :meth:`work`)."""
         sc = self.scenario
         types = self._types
         a0 = np.concatenate([self._a, [types[s["device"]].overhead for s in sc.free_slots]])
@@ -225,8 +227,8 @@ class ClusterSim:
         return float(np.max(a + beta * self.work(plan) + data))
 
 
-def min_makespan_curves(times: Callable[[np.ndarray], np.ndarray], global_batch: int, min_batch: Sequence[int] | np.ndarray,
-                        max_batch: Sequence[int] | np.ndarray) -> np.ndarray:
+def min_makespan_curves(times: Callable[[np.ndarray], np.ndarray], global_batch: int,
+                        min_batch: Sequence[int] | np.ndarray, max_batch: Sequence[int] | np.ndarray) -> np.ndarray:
     """Exact integer min-makespan split for per-rank nondecreasing step-time functions.
 
     ``times(b)`` maps an integer vector of local batches (one per rank) to the ranks' step times, each
@@ -241,9 +243,9 @@ def min_makespan_curves(times: Callable[[np.ndarray], np.ndarray], global_batch:
 
     Example::
 
-        >>> t = lambda b: np.array([0.001, 0.003]) * np.maximum(b, [0, 150])
-        >>> min_makespan_curves(t, 400, [1, 1], [400, 400]).tolist()   # rank 1 is saturated below 150 samples
-        [250, 150]
+        >>> cliff = lambda b: np.array([0.001, 0.002]) * (b + [2, 0] * np.maximum(0, b - 200))  # rank 0: 3x beyond 200
+        >>> min_makespan_curves(cliff, 400, [1, 1], [400, 400]).tolist()   # the linear split would be [267, 133]
+        [240, 160]
     """
     lo = np.asarray(min_batch, dtype=np.int64)
     hi = np.asarray(max_batch, dtype=np.int64)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.scheduler.sim.scenario import load_scenario
+from hetero_plugins.scheduler.sim.scenario import load_scenario  # noqa: F401  (the module docstring's example)
 
 __all__ = ["FAMILIES", "SPLITS", "family_scenarios", "family_seeds", "generate_scenario", "split_of", "table_pairs"]
 
@@ -53,7 +53,7 @@ SPLITS = ("train", "val", "test")
 class _Profile:
     """How one family draws its clusters."""
 
-    kinds: tuple[str, ...]         # device name prefixes drawn from (a "cpu" kind is CPU-like: big fixed cost, no saturation)
+    kinds: tuple[str, ...]         # device name prefixes ("cpu": CPU-like, big fixed cost, no saturation)
     base_cost: tuple[float, float]  # seconds per sample of the fastest type (log-uniform)
     span: tuple[float, float]      # cost ratio slowest / fastest
     p_saturation: float
@@ -186,7 +186,8 @@ def generate_scenario(seed: int, family: str = "default", *, world: int | None =
         if not cpu and rng.random() < prof.p_saturation:
             spec["saturation"] = max(1, int(round(share[i] * rng.uniform(0.2, 0.9))))
         if rng.random() < prof.p_cliff:
-            spec["cliff"] = {"at": max(1, int(round(cap * rng.uniform(0.55, 0.9)))), "factor": _g(rng.uniform(*prof.cliff_factor))}
+            spec["cliff"] = {"at": max(1, int(round(cap * rng.uniform(0.55, 0.9)))),
+                             "factor": _g(rng.uniform(*prof.cliff_factor))}
         devices[d] = spec
         step.append(spec["overhead"] + spec["cost_per_sample"] * share[i])
     t0 = float(np.mean(step))  # a typical step (seconds)
@@ -199,10 +200,11 @@ def generate_scenario(seed: int, family: str = "default", *, world: int | None =
     workload = pool[int(rng.integers(len(pool)))]
     corunners = sorted(c for w, c in pairs if w == workload)
     sens = {d: rng.uniform(*prof.sensitivity) for d in names}
-    interference = {c: {d: _g(max(1.0, 1.0 + sens[d] * (pairs[(workload, c)] - 1.0))) for d in names} for c in corunners}
+    interference = {c: {d: _g(max(1.0, 1.0 + sens[d] * (pairs[(workload, c)] - 1.0))) for d in names}
+                    for c in corunners}
 
-    epochs = int(rng.integers(12, 25))
-    steps = int(rng.integers(10, 21))
+    epochs = int(rng.integers(8, 17))  # short runs keep a sweep over many scenarios, policies and seeds fast
+    steps = int(rng.integers(6, 13))
     p_data = rng.uniform(*prof.p_data_bound)
     ranks = []
     for d in device_of:
@@ -235,7 +237,8 @@ def generate_scenario(seed: int, family: str = "default", *, world: int | None =
         for _ in range(int(rng.integers(1, 4))):
             rs = sorted(set(rng.integers(0, n, int(rng.integers(1, max(2, n // 8) + 1))).tolist()))
             start = int(rng.integers(0, epochs - 1))
-            events.append({"epoch": start, "ranks": rs, "ramp": _g(rng.uniform(1.3, 2.5)), "over": int(rng.integers(2, 9))})
+            events.append({"epoch": start, "ranks": rs, "ramp": _g(rng.uniform(1.3, 2.5)),
+                           "over": int(rng.integers(2, 9))})
             if rng.random() < 0.5:
                 events.append({"epoch": int(rng.integers(start + 1, epochs)), "ranks": rs, "speed": 1.0})
 

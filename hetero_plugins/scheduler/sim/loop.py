@@ -310,8 +310,9 @@ def oracle(
     """The oracle: every epoch, the best placement (over the ranks' own and the free slots) and the
     makespan-optimal split on the *true* times (data time included, memory caps respected), run under the same
     noise as :func:`simulate`. Linear step times are split by the equal-finish allocator; nonlinear curves
-    (saturation, memory cliffs) by the exact integer solver :func:`~hetero_plugins.scheduler.sim.cluster.min_makespan_curves`,
-    so the split is the exact min-makespan one either way. A free slot taken by another job is not used, except
+    (saturation, memory cliffs) by the exact integer solver
+    :func:`~hetero_plugins.scheduler.sim.cluster.min_makespan_curves`, so the split is the exact min-makespan one
+    either way. A free slot taken by another job is not used, except
     one the oracle held in the epoch before. Returns ``epoch_times``, ``total_time``, ``samples_per_s``, ``plans``,
     ``placements`` (slot descriptions per epoch) and the busy fractions as :func:`simulate` does."""
     sim = ClusterSim(scenario, seed=seed)

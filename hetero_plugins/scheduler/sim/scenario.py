@@ -36,7 +36,8 @@ class DeviceType:
 
     Example::
 
-        >>> DeviceType(0.01, 0.001, 512, saturation=32, cliff_at=400, cliff_factor=3.0).work(np.array([8, 100, 410])).tolist()
+        >>> curve = DeviceType(0.01, 0.001, 512, saturation=32, cliff_at=400, cliff_factor=3.0)
+        >>> curve.work(np.array([8, 100, 410])).tolist()
         [32.0, 100.0, 430.0]
     """
 
