@@ -21,6 +21,9 @@ Policies, each run closed loop in the simulator (``simulate``) with a fresh sche
 - ``auto_split``: the same allocator without relocation;
 - ``dqn``: :class:`~hetero_plugins.scheduler.policy.DQNAllocator` with the learned relocation (none where not
   available);
+
+Runs go through :func:`~hetero_plugins.scheduler.sim.evaluate.evaluate` (fresh allocator and relocator per
+run) and :func:`~hetero_plugins.scheduler.sim.evaluate.best_analytic`.
 - ``learned`` / ``greedy`` / ``none``: ``equal_finish`` with the learned relocator / the greedy one / none.
 
 Throughput is simulated samples per second after the first (measuring) epoch; busy fraction is the simulated
@@ -118,37 +121,55 @@ def has_churn_and_slots(spec: dict[str, Any]) -> bool:
     return bool(spec.get("free_slots")) and any("corunner" in ev for ev in spec.get("events", []))
 
 
+def policies(comp: Components, record: dict[str, list[Any]]) -> dict[str, tuple[Any, Any]]:
+    """``{name: (allocator spec, relocation spec)}`` for :func:`~hetero_plugins.scheduler.sim.evaluate.evaluate`
+    (factories, so every run gets fresh objects). ``auto``'s relocation guards the allocator of the same run:
+    ``evaluate`` builds the allocator first, then the relocation, for each run."""
+
+    def auto_alloc(sc: Any) -> AutoAllocator:
+        auto = AutoAllocator(interference=comp.ncf)
+        record["auto"].append(auto)
+        return auto
+
+    def auto_reloc(sc: Any) -> Any:
+        guard = record["auto"][-1].guard(comp.learned(sc) or comp.greedy(sc))
+        record["guard"].append(guard)
+        return guard
+
+    out: dict[str, tuple[Any, Any]] = {a: (a, None) for a in ANALYTIC}
+    out["auto"] = (auto_alloc, auto_reloc)
+    out["auto_split"] = (lambda sc: AutoAllocator(interference=comp.ncf), None)
+    out["dqn"] = (lambda sc: DQNAllocator(interference=comp.ncf), comp.learned if comp.learned_cls else None)
+    if comp.learned_cls is not None:
+        out["learned"] = ("equal_finish", comp.learned)
+    out["greedy"] = ("equal_finish", comp.greedy)
+    return out
+
+
 def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split: str) -> dict[str, Any]:
+    from hetero_plugins.scheduler.sim.evaluate import best_analytic, evaluate
     from hetero_plugins.scheduler.sim import load_scenario
 
     sc = load_scenario(spec)
-    names = list(ANALYTIC) + list(POLICIES)
-    per: dict[str, dict[str, list[float]]] = {p: {"tput": [], "busy": []} for p in names}
-    info = {"auto_ncf": 0, "auto_fallback": 0, "auto_reloc_kept": 0, "auto_reloc_vetoed": 0, "reasons": {}}
-    for seed in seeds:
-        for p in names:
-            if p == "learned" and comp.learned_cls is None:
-                continue
-            alloc, reloc, handle = comp.build(p, sc)
-            r = simulate(spec, alloc, seed=seed, relocation=reloc)
-            per[p]["tput"].append(r["steady_samples_per_s"])
-            per[p]["busy"].append(r["steady_busy_fraction"])
-            if handle is not None and p == "auto":
-                auto, guard = handle
-                info["auto_ncf"] += auto.choices["ncf"]
-                info["auto_fallback"] += auto.choices["equal_finish"]
-                info["auto_reloc_kept"] += guard.kept
-                info["auto_reloc_vetoed"] += guard.vetoed
-                key = re.sub(r"[\d.]+", "#", auto.last_reason)[:60]
-                info["reasons"][key] = info["reasons"].get(key, 0) + 1
-    mean = {p: float(np.mean(v["tput"])) for p, v in per.items() if v["tput"]}
-    busy = {p: float(np.mean(v["busy"])) for p, v in per.items() if v["busy"]}
-    best = max(ANALYTIC, key=lambda a: mean[a])
+    record: dict[str, list[Any]] = {"auto": [], "guard": []}
+    rows = evaluate([sc], policies(comp, record), seeds)
+    best = best_analytic([sc], seeds, rows=rows)[sc.name]["policy"]
+    mean = {r["policy"]: r["steady_samples_per_s"] for r in rows}
+    busy = {r["policy"]: r["steady_busy_fraction"] for r in rows}
+    reasons: dict[str, int] = {}
+    for auto in record["auto"]:
+        key = re.sub(r"[\d.]+", "#", auto.last_reason)[:60]
+        reasons[key] = reasons.get(key, 0) + 1
+    info = {"auto_ncf": sum(a.choices["ncf"] for a in record["auto"]),
+            "auto_fallback": sum(a.choices["equal_finish"] for a in record["auto"]),
+            "auto_reloc_kept": sum(g.kept for g in record["guard"]),
+            "auto_reloc_vetoed": sum(g.vetoed for g in record["guard"]), "last_reasons": reasons}
     row: dict[str, Any] = {
         "scenario": sc.name, "split": split, "world_size": sc.world_size, "churn_and_slots": has_churn_and_slots(spec),
         "samples_per_s": mean, "busy_fraction": busy, "best_analytic": best,
         "vs_best_analytic": {p: mean[p] / mean[best] for p in POLICIES if p in mean},
-        "per_seed": {p: v["tput"] for p, v in per.items()}, "auto_decisions": info,
+        "per_seed": {r["policy"]: r["per_seed"] for r in rows}, "auto_decisions": info,
+        "relocations_per_run": {r["policy"]: r["relocations"] for r in rows},
     }
     none = mean["equal_finish"]
     if "learned" in mean:
@@ -376,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     res["bench_seconds"] = time.perf_counter() - t0
     res["command"] = "python benchmarks/scheduler_bench.py" + (" --quick" if args.quick else "") + \
         (f" --seeds {args.seeds}" if args.seeds != 3 else "") + \
-        (f" --test-count {args.test_count}" if args.test_count is not None else "")
+        (f" --test-count {args.test_count}" if args.test_count is not None else "") + \
+        (" --table TABLE" if args.table else "")
     if res["command"] == "python benchmarks/scheduler_bench.py":
         res["command"] = "make bench-scheduler"
     path = Path(args.out)

@@ -116,10 +116,14 @@ def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
               lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100"}],
               global_batch=512, steps_per_epoch=20, epochs_left=5)
-    assert guarded.propose(**kw).moves == [] and guarded.last_reason == "no measured residuals yet"
+    small = dict(kw, next_corunners=[None, None], lines=[(0.005, 0.0005), (0.006, 0.00064)])
+    assert guarded.propose(**small).moves == []  # 10% predicted, within 2 x max_noise before any residual
+    assert "none measured yet" in guarded.last_reason
     models = [P(0.005, 0.0005), P(0.006, 0.0012)]
     for _ in range(2):  # two epoch boundaries; the lines predicted the epoch between them: residuals 0
         auto.set_context(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, None])
         auto.allocate(models, 512, Bounds.uniform(2))
     assert auto.noise() == 0.0
-    assert guarded.propose(**kw).moves == [(1, 0)] and guarded.kept == 1 and guarded.vetoed == 1
+    assert guarded.propose(**small).moves == [(1, 0)] and guarded.kept == 1 and guarded.vetoed == 1
+    auto.move_errors += [0.5, 0.6]  # the lines predicted for two moved ranks were 65% and 82% off
+    assert guarded.propose(**kw).moves == [] and "2 moved ranks erred by 73%" in guarded.last_reason

@@ -254,9 +254,8 @@ class AutoAllocator(Allocator):
       the median measured one within ``agreement`` (relative), else the decision falls back.
     - *ensemble, second predictor*: where ``reference`` (a second predictor, e.g. an additive baseline) is
       given, the NCF's ratio must agree with its ratio within ``agreement`` too.
-    - *NCF track record*: every measured change also scores the NCF's prediction of it (as does every line the
-      NCF predicted for a rank a guarded relocation moved); once
-      ``min_record`` changes are scored, their median relative error must be at most ``max_ncf_error``.
+    - *NCF track record*: every measured change also scores the NCF's prediction of it; once ``min_record``
+      changes are scored, their median relative error must be at most ``max_ncf_error``.
     - *time models' residuals*: the fitted lines of ranks whose co-runner did not change must have predicted
       this epoch's times within ``max_noise`` (robust spread of the log residuals over the last three
       decisions); noisier lines make measured ratios and corrections unreliable, so the decision falls back.
@@ -316,6 +315,8 @@ class AutoAllocator(Allocator):
         #: per (workload, device, old, new): log slowdown ratios measured in this run
         self.measured: dict[tuple[str, str, str | None, str | None], list[float]] = {}
         self.ncf_errors: list[float] = []  #: log(NCF ratio / measured ratio) of every measured change
+        #: log(predicted / measured) line of every rank a guarded relocation moved, one epoch after the move
+        self.move_errors: list[float] = []
         self._residuals: deque[np.ndarray] = deque(maxlen=3)
         self._prev: dict[str, Any] | None = None
         self._after_move: list[int] | None = None
@@ -373,7 +374,7 @@ class AutoAllocator(Allocator):
         other = np.zeros(n, dtype=bool)
         for i in prev["moved"]:
             if ok[i]:
-                self.ncf_errors.append(float(-ratio[i]))  # the NCF-priced line of its new place vs measured
+                self.move_errors.append(float(-ratio[i]))  # the NCF-priced line of its new place vs measured
             other[i] = True
         if ctx is not None:
             workload, devices, old, new = ctx
@@ -470,14 +471,13 @@ class AutoAllocator(Allocator):
 
     # ---------------------------------------------------------------- relocation under the same checks
     def trusted(self) -> str:
-        """``""`` when relocations may go ahead, else why not (the NCF's record, the residuals, the last decision)."""
+        """``""`` when relocations may go ahead, else why not (the NCF's record, the residuals, the last decision).
+        Before any residual is measured (the first boundary) the guard asks for a larger predicted gain instead."""
         err = self.ncf_error()
         if err is not None and err > self.max_ncf_error:
             return f"NCF median error {100 * err:.0f}% > max_ncf_error"
         sigma = self.noise()
-        if sigma is None:
-            return "no measured residuals yet"
-        if sigma > self.max_noise:
+        if sigma is not None and sigma > self.max_noise:
             return f"time models' residual spread {100 * sigma:.1f}% > max_noise"
         if self.last_choice == "equal_finish" and "disagrees" in self.last_reason:
             return self.last_reason
@@ -494,12 +494,15 @@ class GuardedRelocator:
     """A relocator whose moves an :class:`AutoAllocator` must trust (:meth:`AutoAllocator.guard`).
 
     Moves are vetoed (the decision becomes "stay") when the allocator does not trust its models
-    (:meth:`AutoAllocator.trusted`: the NCF's track record, the residual spread, no residuals yet at the first
-    boundary, or a disagreement at this boundary), when a slot a rank would move to has a measured slowdown in
-    this run that disagrees with the NCF's, or when the predicted gain is within ``noise_margin`` residual
-    spreads. Kept moves are reported to the allocator (:meth:`AutoAllocator.moved`): at the next boundary the
-    lines the NCF predicted for the moved ranks are scored against what was measured, into the NCF's track
-    record. ``kept`` and ``vetoed`` count decisions and ``last_reason`` says why.
+    (:meth:`AutoAllocator.trusted`: the NCF's track record, the residual spread, or a disagreement at this
+    boundary); when a slot a rank would move to has a measured slowdown in this run that disagrees with the
+    NCF's; when the predicted gain is within ``noise_margin`` residual spreads (``max_noise`` stands in for the
+    spread before any residual is measured, at the first boundary); or when the lines predicted for the ranks it
+    let move erred, one epoch after each move, by more than ``max_ncf_error`` (median over at least
+    ``min_record`` moves; :meth:`AutoAllocator.moved` tells the allocator which ranks moved). Moves that only
+    take ranks back to their own places (when the caller says where they are: ``homes`` and each free slot's
+    ``place``, as the simulator passes to relocators that ``observes_places``) restore auto's no-relocation
+    placement and are never vetoed. ``kept`` and ``vetoed`` count decisions and ``last_reason`` says why.
     """
 
     def __init__(self, relocator: Any, allocator: AutoAllocator, noise_margin: float = 2.0) -> None:
@@ -520,11 +523,16 @@ class GuardedRelocator:
         why = auto.trusted()
         if why:
             return why
-        sigma = auto.noise() or 0.0
+        errs = auto.move_errors
+        if len(errs) >= auto.min_record and math.expm1(float(np.median(np.abs(errs)))) > auto.max_ncf_error:
+            return (f"the lines predicted for {len(errs)} moved ranks erred by "
+                    f"{100 * math.expm1(float(np.median(np.abs(errs)))):.0f}% (median) > max_ncf_error")
+        sigma = auto.noise()
+        bound = auto.max_noise if sigma is None else sigma  # before any residual: the largest spread tolerated
         gain = float(decision.predicted_gain)
-        if gain <= self.noise_margin * sigma:
+        if gain <= self.noise_margin * bound:
             return (f"predicted gain {100 * gain:.1f}% within {self.noise_margin:g} residual spreads "
-                    f"({100 * sigma:.1f}%)")
+                    f"({100 * bound:.1f}%{', none measured yet: max_noise' if sigma is None else ''})")
         tol = math.log1p(auto.agreement)
         for _, k in decision.moves:
             slot = free_slots[k]
@@ -535,12 +543,26 @@ class GuardedRelocator:
                 return f"slot {k} ({d}, {c}): NCF slowdown {s:.2f} disagrees with the measured {m:.2f}"
         return ""
 
+    #: Ask the simulator (and integrations that can) for each rank's place and home: moves home are never vetoed.
+    observes_places = True
+    _PLACE_KEYS = ("places", "homes", "epoch", "restart_cost")
+
     def propose(self, **kw: Any) -> Any:
-        decision = self.inner.propose(**kw)
+        inner_kw = kw if getattr(self.inner, "observes_places", False) else \
+            {k: v for k, v in kw.items() if k not in self._PLACE_KEYS}
+        decision = self.inner.propose(**inner_kw)
         if not decision.moves:
             return decision
+        homes, slots = kw.get("homes"), kw["free_slots"]
+        if homes is not None and all(slots[k].get("place") == homes[i] for i, k in decision.moves):
+            # Undoing relocations restores the no-relocation placement, auto's fallback: never vetoed (a rank
+            # stranded on a slot the NCF mispriced can always go back).
+            self.kept += 1
+            self.last_reason = "ranks return to their own places"
+            self.allocator.moved([i for i, _ in decision.moves])
+            return decision
         workload = kw.get("workload") or getattr(self.inner, "workload", "training")
-        why = self._why_not(decision, kw["devices"], kw["free_slots"], workload)
+        why = self._why_not(decision, kw["devices"], slots, workload)
         self.last_reason = why or "models agree"
         if not why:
             self.kept += 1
