@@ -47,7 +47,7 @@ import numpy as np
 
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
 from hetero_plugins.scheduler.relocation import Relocator
-from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, simulate
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim
 
 START, END = "<!-- scheduler-bench:start -->", "<!-- scheduler-bench:end -->"
 ANALYTIC = ("equal_finish", "lbb", "proportional")
@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             res["scenarios"].append(row)
             v = row["vs_best_analytic"]
             print(f"{row['scenario']} ({split}, {row['world_size']} ranks): auto {v['auto']:.3f}, dqn {v['dqn']:.3f}, "
-                  f"learned/none {row.get('learned_vs_none', float('nan')):.3f}, greedy/none {row['greedy_vs_none']:.3f} "
-                  f"[{time.perf_counter() - t1:.0f} s]", flush=True)
+                  f"learned/none {row.get('learned_vs_none', float('nan')):.3f}, "
+                  f"greedy/none {row['greedy_vs_none']:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
     res["latency_1024_ranks"] = decision_latency(comp)
     res["ncf_leave_pairs_out"] = ncf_leave_pairs_out(args.quick)
     res["transfer"] = transfer_result(args.quick)

@@ -67,9 +67,11 @@ def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_referen
     auto.ncf_errors.append(float(np.log(2.0 / 1.2)))  # one measured change, predicted 67% too slow
     auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
     models = [FAST] * 3 + [SLOW]
-    assert auto.allocate(models, 256, Bounds.uniform(4)) == EqualFinishAllocator().allocate(models, 256, Bounds.uniform(4))
+    bounds = Bounds.uniform(4)
+    assert auto.allocate(models, 256, bounds) == EqualFinishAllocator().allocate(models, 256, bounds)
     assert "NCF median error 67%" in auto.last_reason
-    ref = AutoAllocator(interference=TablePredictor({("t4", "etl"): 1.5}), reference=TablePredictor({("t4", "etl"): 1.1}))
+    ref = AutoAllocator(interference=TablePredictor({("t4", "etl"): 1.5}),
+                        reference=TablePredictor({("t4", "etl"): 1.1}))
     ref.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
     ref.allocate(models, 256, Bounds.uniform(4))
     assert ref.last_choice == "equal_finish" and "reference predictor's 1.10" in ref.last_reason

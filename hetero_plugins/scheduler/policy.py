@@ -23,7 +23,6 @@ The planner runs the allocators on every rank with identical inputs; rank 0's pl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections import deque
@@ -38,7 +37,7 @@ from hetero_plugins.balancing.allocators import Allocator, fitted_models, min_ma
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.interference import interference_correction
 from hetero_plugins.scheduler.ncf import InterferencePredictor
-from hetero_plugins.scheduler.relocation import Relocation
+from hetero_plugins.scheduler.safety import GuardedRelocator
 
 log = logging.getLogger(__name__)
 
@@ -488,94 +487,6 @@ class AutoAllocator(Allocator):
         :meth:`trusted` and the predicted gain exceeds ``noise_margin`` residual spreads (chosen on the
         family's validation split)."""
         return GuardedRelocator(relocator, self, noise_margin)
-
-
-class GuardedRelocator:
-    """A relocator whose moves an :class:`AutoAllocator` must trust (:meth:`AutoAllocator.guard`).
-
-    Moves are vetoed (the decision becomes "stay") when the allocator does not trust its models
-    (:meth:`AutoAllocator.trusted`: the NCF's track record, the residual spread, or a disagreement at this
-    boundary); when a slot a rank would move to has a measured slowdown in this run that disagrees with the
-    NCF's; when the predicted gain is within ``noise_margin`` residual spreads (``max_noise`` stands in for the
-    spread before any residual is measured, at the first boundary); or when the lines predicted for the ranks it
-    let move erred, one epoch after each move, by more than ``max_ncf_error`` (median over at least
-    ``min_record`` moves; :meth:`AutoAllocator.moved` tells the allocator which ranks moved). Moves that only
-    take ranks back to their own places (when the caller says where they are: ``homes`` and each free slot's
-    ``place``, as the simulator passes to relocators that ``observes_places``) restore auto's no-relocation
-    placement and are never vetoed. ``kept`` and ``vetoed`` count decisions and ``last_reason`` says why.
-    """
-
-    def __init__(self, relocator: Any, allocator: AutoAllocator, noise_margin: float = 2.0) -> None:
-        if not hasattr(relocator, "propose"):
-            raise ValueError(f"`relocator`={relocator!r} has no propose(). HINT: pass a Relocator or LearnedRelocator.")
-        self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0, hint="e.g. 2.0")
-        self.inner = relocator
-        self.allocator = allocator
-        self.vetoed = 0
-        self.kept = 0
-        self.last_reason = ""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def _why_not(self, decision: Any, devices: Sequence[str], free_slots: Sequence[Any], workload: str) -> str:
-        auto = self.allocator
-        why = auto.trusted()
-        if why:
-            return why
-        errs = auto.move_errors
-        if len(errs) >= auto.min_record and math.expm1(float(np.median(np.abs(errs)))) > auto.max_ncf_error:
-            return (f"the lines predicted for {len(errs)} moved ranks erred by "
-                    f"{100 * math.expm1(float(np.median(np.abs(errs)))):.0f}% (median) > max_ncf_error")
-        sigma = auto.noise()
-        bound = auto.max_noise if sigma is None else sigma  # before any residual: the largest spread tolerated
-        gain = float(decision.predicted_gain)
-        if gain <= self.noise_margin * bound:
-            return (f"predicted gain {100 * gain:.1f}% within {self.noise_margin:g} residual spreads "
-                    f"({100 * bound:.1f}%{', none measured yet: max_noise' if sigma is None else ''})")
-        tol = math.log1p(auto.agreement)
-        for _, k in decision.moves:
-            slot = free_slots[k]
-            d, c = slot.get("device"), slot.get("corunner")
-            m = auto.measured_ratio(workload, d, None, c)
-            s = auto.dqn.slowdown(workload, d, c)
-            if m is not None and s is not None and abs(math.log(s / m)) > tol:
-                return f"slot {k} ({d}, {c}): NCF slowdown {s:.2f} disagrees with the measured {m:.2f}"
-        return ""
-
-    #: Ask the simulator (and integrations that can) for each rank's place and home: moves home are never vetoed.
-    observes_places = True
-    _PLACE_KEYS = ("places", "homes", "epoch", "restart_cost")
-
-    def propose(self, **kw: Any) -> Any:
-        inner_kw = kw if getattr(self.inner, "observes_places", False) else \
-            {k: v for k, v in kw.items() if k not in self._PLACE_KEYS}
-        decision = self.inner.propose(**inner_kw)
-        if not decision.moves:
-            return decision
-        homes, slots = kw.get("homes"), kw["free_slots"]
-        if homes is not None and all(slots[k].get("place") == homes[i] for i, k in decision.moves):
-            # Undoing relocations restores the no-relocation placement, auto's fallback: never vetoed (a rank
-            # stranded on a slot the NCF mispriced can always go back).
-            self.kept += 1
-            self.last_reason = "ranks return to their own places"
-            self.allocator.moved([i for i, _ in decision.moves])
-            return decision
-        workload = kw.get("workload") or getattr(self.inner, "workload", "training")
-        why = self._why_not(decision, kw["devices"], slots, workload)
-        self.last_reason = why or "models agree"
-        if not why:
-            self.kept += 1
-            self.allocator.moved([i for i, _ in decision.moves])
-            return decision
-        self.vetoed += 1
-        log.info("auto: relocation vetoed (%s)", why)
-        n = len(kw["devices"])
-        stay = {"targets": [None] * n, "lines": [tuple(x) for x in kw["lines"]],
-                "step_time": decision.current_step_time, "saved_seconds": 0.0}
-        if dataclasses.is_dataclass(decision):
-            return dataclasses.replace(decision, **stay)
-        return Relocation(current_step_time=decision.current_step_time, **stay)
 
 
 register_allocator("dqn", DQNAllocator)
