@@ -114,7 +114,7 @@ def test_dqn_split_is_the_exact_split_on_ncf_corrected_lines():
 
 def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     auto = AutoAllocator()
-    guarded = auto.guard(Relocator(restart_cost=0.0))
+    guarded = auto.guard(Relocator(restart_cost=0.0), min_gain=0.0)
     kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
               lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100"}],
               global_batch=512, steps_per_epoch=20, epochs_left=5)
@@ -129,3 +129,5 @@ def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     assert guarded.propose(**small).moves == [(1, 0)] and guarded.kept == 1 and guarded.vetoed == 1
     auto.move_errors += [0.5, 0.6]  # the lines predicted for two moved ranks were 65% and 82% off
     assert guarded.propose(**kw).moves == [] and "2 moved ranks erred by 73%" in guarded.last_reason
+    default = AutoAllocator().guard(Relocator(restart_cost=0.0))  # min_gain 0.2: 12% is not worth the risk
+    assert default.propose(**small).moves == [] and default.last_reason == "predicted gain 12.1% < min_gain 20%"

@@ -482,11 +482,12 @@ class AutoAllocator(Allocator):
             return self.last_reason
         return ""
 
-    def guard(self, relocator: Any, noise_margin: float = 2.0) -> GuardedRelocator:
+    def guard(self, relocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2) -> GuardedRelocator:
         """``relocator`` (anything with the ``Relocator.propose`` keywords) whose moves are kept only when
-        :meth:`trusted` and the predicted gain exceeds ``noise_margin`` residual spreads (chosen on the
-        family's validation split)."""
-        return GuardedRelocator(relocator, self, noise_margin)
+        :meth:`trusted`, the predicted gain exceeds ``noise_margin`` residual spreads and is at least
+        ``min_gain`` (0.2: on the family's validation split, moves predicted to gain less were as often losses
+        as gains, the NCF-priced line of a slot being wrong when co-runners come and go)."""
+        return GuardedRelocator(relocator, self, noise_margin, min_gain)
 
 
 register_allocator("dqn", DQNAllocator)

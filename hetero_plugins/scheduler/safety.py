@@ -30,7 +30,7 @@ class GuardedRelocator:
     Moves are vetoed (the decision becomes "stay") when the allocator does not trust its models
     (``AutoAllocator.trusted``: the NCF's track record, the residual spread, or a disagreement at this
     boundary); when a slot a rank would move to has a measured slowdown in this run that disagrees with the
-    NCF's; when the predicted gain is within ``noise_margin`` residual spreads (``max_noise`` stands in for the
+    NCF's; when the predicted gain is below ``min_gain`` or within ``noise_margin`` residual spreads (``max_noise`` stands in for the
     spread before any residual is measured, at the first boundary); or when the lines predicted for the ranks it
     let move erred, one epoch after each move, by more than ``max_ncf_error`` (median over at least
     ``min_record`` moves; ``AutoAllocator.moved`` tells the allocator which ranks moved). Moves that only
@@ -43,10 +43,11 @@ class GuardedRelocator:
     count decisions and ``last_reason`` says why.
     """
 
-    def __init__(self, relocator: Any, allocator: Any, noise_margin: float = 2.0) -> None:
+    def __init__(self, relocator: Any, allocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2) -> None:
         if not hasattr(relocator, "propose"):
             raise ValueError(f"`relocator`={relocator!r} has no propose(). HINT: pass a Relocator or LearnedRelocator.")
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0, hint="e.g. 2.0")
+        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, hint="e.g. 0.1")
         self.inner = relocator
         self.allocator = allocator
         self.vetoed = 0  #: decisions turned into "stay"
@@ -70,6 +71,8 @@ class GuardedRelocator:
         sigma = auto.noise()
         bound = auto.max_noise if sigma is None else sigma  # before any residual: the largest spread tolerated
         gain = float(decision.predicted_gain)
+        if gain < self.min_gain:
+            return f"predicted gain {100 * gain:.1f}% < min_gain {100 * self.min_gain:.0f}%"
         if gain <= self.noise_margin * bound:
             return (f"predicted gain {100 * gain:.1f}% within {self.noise_margin:g} residual spreads "
                     f"({100 * bound:.1f}%{', none measured yet: max_noise' if sigma is None else ''})")
