@@ -234,6 +234,14 @@ def test_free_slot_events_change_corunners_and_availability():
     assert used == [False, False, False, True, True, True]
 
 
+def test_oracle_places_on_freed_slots_with_curves():
+    spec = _slots([{"epoch": 0, "slot": 1, "taken": True}, {"epoch": 3, "slot": 1, "taken": False}])
+    spec["devices"]["f"]["cliff"] = {"at": 50, "factor": 2.0}  # nonlinear: the vectorised placement search
+    out = oracle(spec)
+    assert [any(p["free_slot"] == 1 for p in ps) for ps in out["placements"]] == [False] * 3 + [True] * 3
+    assert min(out["epoch_times"][3:]) < max(out["epoch_times"][:3])
+
+
 def test_oracle_keeps_a_slot_it_holds_when_another_job_would_take_it():
     sc = load_scenario(_slots([{"epoch": 2, "slot": 1, "taken": True}]))
     used = [any(p["free_slot"] == 1 for p in ps) for ps in oracle(sc)["placements"]]

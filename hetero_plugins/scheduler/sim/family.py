@@ -124,10 +124,12 @@ def table_pairs(table: Mapping[str, Any]) -> dict[tuple[str, str], float]:
 def _shipped_pairs() -> tuple[tuple[tuple[str, str], float], ...]:
     try:
         from hetero_plugins.scheduler.measured import load_table
-    except ImportError:
-        raise ValueError("generate_scenario: `table` is None and no measured interference table is shipped. "
+
+        table = load_table()
+    except (ImportError, OSError) as err:
+        raise ValueError(f"generate_scenario: `table` is None and no measured interference table is shipped ({err}). "
                          "HINT: pass table= a measured table dict (format 1).") from None
-    return tuple(sorted(table_pairs(load_table()).items()))
+    return tuple(sorted(table_pairs(table).items()))
 
 
 def _g(x: float) -> float:
