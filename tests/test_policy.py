@@ -44,7 +44,8 @@ def _arrival_then_departure(ncf_says: float, truth: float) -> tuple[AutoAllocato
     first = auto.allocate(models, 256, bounds)
     auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
     arrival = auto.allocate(models, 256, bounds, current=first)
-    assert auto.last_choice == "ncf"  # never measured yet: the NCF is trusted (trust_unverified)
+    assert auto.last_choice == "equal_finish" and arrival == first  # never measured yet: not trusted
+    assert auto.last_reason == "no verified co-runner change (trust_unverified=False)"
     measured = [FAST] * 3 + [_scaled(SLOW, truth)]  # what the epoch beside the video job measured
     auto.set_context(devices=DEVICES, corunners=[None] * 3 + ["video"], next_corunners=[None] * 4)
     departure = auto.allocate(measured, 256, bounds, current=arrival)
@@ -59,7 +60,12 @@ def test_auto_falls_back_when_the_ncf_disagrees_with_a_measured_ratio():
     # The same run with an NCF that agrees with what was measured: the departure is corrected.
     auto, plan, ef = _arrival_then_departure(ncf_says=1.25, truth=1.2)
     assert auto.last_choice == "ncf" and plan != ef and plan[3] > ef[3]  # the t4 gets its speed back at once
-    assert auto.choices == {"ncf": 2, "equal_finish": 0}
+    assert auto.choices == {"ncf": 1, "equal_finish": 1}
+    # trust_unverified=True corrects the first arrival too.
+    trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}), trust_unverified=True)
+    trusting.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    told = trusting.allocate([FAST] * 3 + [SLOW], 256, Bounds.uniform(4))
+    assert trusting.last_choice == "ncf" and told[3] < ef[3]
 
 
 def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_reference():

@@ -288,7 +288,7 @@ class AutoAllocator(Allocator):
     name = "auto"
 
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
-                 min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True,
+                 min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = False, partial: bool = True,
                  reference: Any = None, unseen_device: str = "mean", **removed: Any) -> None:
         _refuse_removed(type(self).__name__, removed)
         self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device)
@@ -304,6 +304,7 @@ class AutoAllocator(Allocator):
         if self.max_noise <= 0:
             raise ValueError(f"`max_noise`={max_noise!r} must be > 0. HINT: e.g. 0.08.")
         self.trust_unverified = check_bool("trust_unverified", trust_unverified)
+        self.partial = check_bool("partial", partial)
         if reference is not None and not (hasattr(reference, "predict") or hasattr(reference, "slowdown")):
             raise ValueError(f"`reference`={reference!r} is not a predictor. HINT: pass None or an object with "
                              "predict(workload, device, corunner) (e.g. an InterferencePredictor).")
@@ -421,7 +422,11 @@ class AutoAllocator(Allocator):
                         return (f"NCF ratio {q:.2f} disagrees with the reference predictor's {r1 / r0:.2f} on rank "
                                 f"{i} ({d}, {c0} -> {c1})")
             if not checked and not self.trust_unverified:
-                return f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
+                if not self.partial:
+                    return f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
+                factors[i] = 1.0  # left as equal_finish sees it
+        if np.all(factors == 1.0):
+            return "no verified co-runner change (trust_unverified=False)"
         return ""
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
@@ -451,7 +456,8 @@ class AutoAllocator(Allocator):
                 else "no NCF prediction for the changed co-runners"
             use = None
         else:
-            reason = self._gate(ctx, factors)
+            factors = factors.copy()
+            reason = self._gate(ctx, factors)  # may reset unverified ranks to 1 (partial)
             use = None if reason else factors
             self.choices["ncf" if use is not None else "equal_finish"] += 1
             if reason:
@@ -482,12 +488,14 @@ class AutoAllocator(Allocator):
             return self.last_reason
         return ""
 
-    def guard(self, relocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2) -> GuardedRelocator:
+    def guard(self, relocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2,
+              payback: float = 2.0) -> GuardedRelocator:
         """``relocator`` (anything with the ``Relocator.propose`` keywords) whose moves are kept only when
-        :meth:`trusted`, the predicted gain exceeds ``noise_margin`` residual spreads and is at least
+        :meth:`trusted`, the predicted saving over the next (at most three) epochs is at least ``payback`` times
+        the restart cost, and the predicted gain exceeds ``noise_margin`` residual spreads and is at least
         ``min_gain`` (0.2: on the family's validation split, moves predicted to gain less were as often losses
         as gains, the NCF-priced line of a slot being wrong when co-runners come and go)."""
-        return GuardedRelocator(relocator, self, noise_margin, min_gain)
+        return GuardedRelocator(relocator, self, noise_margin, min_gain, payback)
 
 
 register_allocator("dqn", DQNAllocator)

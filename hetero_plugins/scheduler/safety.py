@@ -30,24 +30,27 @@ class GuardedRelocator:
     Moves are vetoed (the decision becomes "stay") when the allocator does not trust its models
     (``AutoAllocator.trusted``: the NCF's track record, the residual spread, or a disagreement at this
     boundary); when a slot a rank would move to has a measured slowdown in this run that disagrees with the
-    NCF's; when the predicted gain is below ``min_gain`` or within ``noise_margin`` residual spreads (``max_noise`` stands in for the
-    spread before any residual is measured, at the first boundary); or when the lines predicted for the ranks it
-    let move erred, one epoch after each move, by more than ``max_ncf_error`` (median over at least
-    ``min_record`` moves; ``AutoAllocator.moved`` tells the allocator which ranks moved). Moves that only
-    take ranks back to their own places (when the caller says where they are: ``homes`` and each free slot's
-    ``place``, as the simulator passes to relocators that ``observes_places``) restore auto's no-relocation
-    placement and are never vetoed; and with that place data the guard itself takes a rank it let move back
-    home when its measured line there is slower than its home line (the line measured at home before the move,
-    scaled by the NCF ratio of the home's co-runners then and next) by more than ``noise_margin`` residual
-    spreads and the gain pays the restart cost over three epochs (``recovered``). ``kept`` and ``vetoed``
-    count decisions and ``last_reason`` says why.
+    NCF's; when the predicted saving over the next (at most three) epochs is below ``payback`` times the
+    restart cost; when the predicted gain is below ``min_gain`` or within ``noise_margin`` residual spreads
+    (``max_noise`` stands in for the spread before any residual is measured, at the first boundary); or when
+    the lines predicted for the ranks it let move erred, one epoch after each move, by more than
+    ``max_ncf_error`` (median over at least ``min_record`` moves; ``AutoAllocator.moved`` tells the allocator
+    which ranks moved). Moves that only take ranks back to their own places (when the caller says where they
+    are: ``homes`` and each free slot's ``place``, as the simulator passes to relocators that
+    ``observes_places``) restore auto's no-relocation placement and are never vetoed; and with that place data
+    the guard itself takes a rank it let move back home when its measured line there is slower than its home
+    line (the line measured at home before the move, scaled by the NCF ratio of the home's co-runners then and
+    next) by more than ``noise_margin`` residual spreads and the gain pays the restart cost over three epochs
+    (``recovered``). ``kept`` and ``vetoed`` count decisions and ``last_reason`` says why.
     """
 
-    def __init__(self, relocator: Any, allocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2) -> None:
+    def __init__(self, relocator: Any, allocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2,
+                 payback: float = 2.0) -> None:
         if not hasattr(relocator, "propose"):
             raise ValueError(f"`relocator`={relocator!r} has no propose(). HINT: pass a Relocator or LearnedRelocator.")
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0, hint="e.g. 2.0")
-        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, hint="e.g. 0.1")
+        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, hint="e.g. 0.2")
+        self.payback = check_float("payback", payback, minimum=0.0, hint="e.g. 2.0")
         self.inner = relocator
         self.allocator = allocator
         self.vetoed = 0  #: decisions turned into "stay"
@@ -58,6 +61,18 @@ class GuardedRelocator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def _why_not_pays(self, decision: Any, kw: dict[str, Any]) -> str:
+        """``""`` when the move's predicted saving over the next (at most three) epochs is at least ``payback``
+        times the restart cost, else why not."""
+        cost = kw.get("restart_cost", getattr(self.inner, "restart_cost", 0.0))
+        epochs = min(int(kw.get("epochs_left", 1)), 3)
+        per_step = float(decision.current_step_time) - float(decision.step_time)
+        saved = per_step * int(kw.get("steps_per_epoch", 1)) * epochs
+        if saved < self.payback * float(cost):
+            return (f"predicted saving {saved:.2f} s over {epochs} epochs < payback {self.payback:g} x restart cost "
+                    f"{float(cost):.2f} s")
+        return ""
 
     def _why_not(self, decision: Any, free_slots: Any, workload: str) -> str:
         auto = self.allocator
@@ -150,7 +165,7 @@ class GuardedRelocator:
         if not decision.moves:
             return decision
         workload = kw.get("workload") or getattr(self.inner, "workload", "training")
-        why = self._why_not(decision, slots, workload)
+        why = self._why_not(decision, slots, workload) or self._why_not_pays(decision, kw)
         if not why:
             return self._keep(decision, kw, "models agree")
         self.last_reason = why
