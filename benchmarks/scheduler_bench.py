@@ -258,6 +258,10 @@ def transfer_result(quick: bool) -> dict[str, Any] | None:
     return fn(seeds=(0, 1, 2, 3, 4))
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _mark(ok: bool | None) -> str:
     return "not measured" if ok is None else "**met**" if ok else "**missed**"
 
@@ -334,7 +338,7 @@ def table(res: dict[str, Any]) -> str:
         lines.append(
             f"| {r['scenario']} | {r['split']} | {r['world_size']} | {'yes' if r['churn_and_slots'] else 'no'} | "
             f"{r['best_analytic']} | {v['auto']:.3f} | {v['auto_split']:.3f} | {v['dqn']:.3f} | "
-            f"{r.get('learned_vs_none', float('nan')):.3f} | {r['greedy_vs_none']:.3f} | "
+            f"{_fmt(r.get('learned_vs_none'))} | {r['greedy_vs_none']:.3f} | "
             f"{100 * b[r['best_analytic']]:.0f}% / {100 * b['auto']:.0f}% / {100 * b['dqn']:.0f}% | "
             f"{d['auto_ncf']} / {d['auto_fallback']} / {d['auto_reloc_kept']} / {d['auto_reloc_vetoed']} |")
     lines.append(f"\nMachine: {res['machine']['processor']}, python {res['machine']['python']}; bench "
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             res["scenarios"].append(row)
             v = row["vs_best_analytic"]
             print(f"{row['scenario']} ({split}, {row['world_size']} ranks): auto {v['auto']:.3f}, dqn {v['dqn']:.3f}, "
-                  f"learned/none {row.get('learned_vs_none', float('nan')):.3f}, "
+                  f"learned/none {_fmt(row.get('learned_vs_none'))}, "
                   f"greedy/none {row['greedy_vs_none']:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
     res["latency_1024_ranks"] = decision_latency(comp)
     res["ncf_leave_pairs_out"] = ncf_leave_pairs_out(args.quick)
