@@ -309,9 +309,13 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"target": "transfer (placement network)", "goal": "within 2% of scratch with <= 25% samples",
                     "figures": "transfer_placement not available" if tr is None else tr["skipped"], "ok": None})
     else:
-        out.append({"target": "transfer (placement network)", "goal": "within 2% of scratch with <= 25% samples",
-                    "figures": str(tr.get("verdict", ""))[:200],
-                    "ok": tr.get("verdict", {}).get("met") if isinstance(tr.get("verdict"), dict) else None})
+        v = tr.get("verdict") or {}
+        final, ft = v.get("scratch_final"), v.get("fine_tuned_at_25pct")
+        out.append({"target": f"transfer (placement network, {len(tr.get('seeds', []))} seeds, family "
+                              f"{tr.get('family')!r})", "goal": "within 2% of scratch with <= 25% samples",
+                    "figures": f"scratch final {_fmt(final)} after {v.get('scratch_samples')} samples; fine-tuned "
+                               f"{_fmt(ft)} after {v.get('fine_tuned_samples')}",
+                    "ok": None if final is None else bool(ft is not None and ft >= 0.98 * final)})
     lat = res["latency_1024_ranks"]
     out.append({"target": f"auto decision time, {lat['world_size']} ranks, one core (median ms)", "goal": "<= 10",
                 "figures": ", ".join(f"{a} {lat[a]['median_ms']:.2f}" for a in ("equal_finish", "dqn", "auto")),
