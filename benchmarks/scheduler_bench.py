@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 4 test scenarios, 3 built-ins, a small NCF and transfer check")
     parser.add_argument("--update-docs", default=None, help="write the table between the markers of this file")
+    parser.add_argument("--skip-transfer", action="store_true", help="leave the transfer curves out (the slowest part)")
     parser.add_argument("--table", default=None,
                         help="a measured interference table (JSON) to draw the family's interference from "
                              "(default: the shipped one)")
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"greedy/none {row['greedy_vs_none']:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
     res["latency_1024_ranks"] = decision_latency(comp)
     res["ncf_leave_pairs_out"] = ncf_leave_pairs_out(args.quick)
-    res["transfer"] = transfer_result(args.quick)
+    res["transfer"] = {"skipped": "not run (--skip-transfer)"} if args.skip_transfer else transfer_result(args.quick)
     res["targets"] = targets(res)
     res["machine"] = {"python": platform.python_version(), "processor": platform.processor() or platform.machine()}
     res["bench_seconds"] = time.perf_counter() - t0
