@@ -61,6 +61,15 @@ def test_auto_falls_back_when_the_ncf_disagrees_with_a_measured_ratio():
     auto, plan, ef = _arrival_then_departure(ncf_says=1.25, truth=1.2)
     assert auto.last_choice == "ncf" and plan != ef and plan[3] > ef[3]  # the t4 gets its speed back at once
     assert auto.choices == {"ncf": 1, "equal_finish": 1}
+    # The video job returns to the t4 (a verified change: measured before) and a first one arrives beside a
+    # v100 (never seen): only the verified rank is corrected (partial=True), the other stays as equal_finish
+    # sees it.
+    lines = [FAST] * 3 + [SLOW]  # the epoch after the departure measured the t4 alone again
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
+    mixed = auto.allocate(lines, 256, Bounds.uniform(4), current=plan)
+    a, s = np.array([m.intercept for m in lines]), np.array([m.slope for m in lines])
+    f = np.array([1.0, 1.0, 1.0, 1.25])
+    assert auto.last_choice == "ncf" and mixed == min_makespan_split(a * f, s * f, 256, [1] * 4, [256] * 4).tolist()
     # trust_unverified=True corrects the first arrival too.
     trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}), trust_unverified=True)
     trusting.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
