@@ -1,9 +1,11 @@
 """The embedded two-stage learned scheduler, after Zhang, Geng, Ma, IEEE TPDS 2021.
 
-- Stage 1 (LDWP): :class:`DQNAllocator` (``allocator="dqn"``) assigns chunks of the global batch to ranks
-  with a pre-trained Double DQN; :class:`AutoAllocator` (``allocator="auto"``) falls back to
-  ``equal_finish`` whenever the DQN's plan is predicted slower. Importing this package registers both
-  (``import hetero_plugins`` does), so every ``allocator=`` option takes them by name.
+- Stage 1 (LDWP): the batch split is exact (``min_makespan_split``) under any placement;
+  :class:`DQNAllocator` (``allocator="dqn"``) splits on the fitted lines corrected by stage 2 for announced
+  co-runners, and the placement Q-network (``placement_policy.LearnedRelocator``) decides relocations;
+  :class:`AutoAllocator` (``allocator="auto"``) applies the correction only when the models agree and are
+  confident, else it is ``equal_finish`` (its ``guard`` gates relocations the same way). Importing this
+  package registers both (``import hetero_plugins`` does), so every ``allocator=`` option takes them by name.
 - Stage 2 (IAWP): :class:`InterferencePredictor`, a NeuMF (He et al., WWW 2017) predicting co-runner
   slowdowns; :class:`Relocator` decides when moving ranks to free slots pays for a restart
   (:mod:`~hetero_plugins.scheduler.relocation`; :func:`plan_relocation` is its restart-cost-free form over one
@@ -11,7 +13,8 @@
 - :mod:`~hetero_plugins.scheduler.pretrain` and :mod:`~hetero_plugins.scheduler.transfer` build models on
   the simulator (:mod:`hetero_plugins.scheduler.sim`); shipped defaults live in ``models/`` and load by default.
 
-Modules: ``policy`` (the two allocators), ``dqn`` and ``features`` (the network and its inputs), ``ncf`` (the
+Modules: ``policy`` (the two allocators), ``dqn`` and ``features`` (the former chunk-assignment network, kept for its
+training commands), ``ncf`` (the
 predictor), ``interference`` (its corrections of time lines), ``placement`` (best placement, equal-finish
 split), ``problem`` (the decision record), ``relocation`` (the relocator), ``restart_spec`` (the restart spec
 a relocation is written to and resumed from), ``cluster_advisor`` (cluster context for the integrations),

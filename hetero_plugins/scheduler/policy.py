@@ -1,4 +1,4 @@
-"""The learned allocators: ``"dqn"`` (stage-1 DQN chunk assignment) and ``"auto"`` (DQN with a safety net).
+"""The two-stage scheduler's allocators: ``"dqn"`` (exact split on NCF-corrected lines) and ``"auto"`` (the safe one).
 
 Both are :class:`~hetero_plugins.balancing.allocators.Allocator` subclasses that this module registers
 (:func:`~hetero_plugins.balancing.allocators.register_allocator`) when it is imported; ``import hetero_plugins``
@@ -6,19 +6,25 @@ imports it, so every integration takes them by name::
 
     Trainer(strategy=HeteroDDPStrategy(allocator="auto"), devices=4)
 
-The planner runs them on every rank with identical inputs; rank 0's plan is broadcast (BatchBalancer).
 Zhang, Geng, Ma, "Learning-Driven Interference-Aware Workload Parallelization for Streaming Applications in
-Heterogeneous Cluster", IEEE TPDS 2021: LDWP (stage 1) splits the work; IAWP (stage 2) predicts the
-interference of co-located jobs with NCF. Here stage 2 feeds stage 1: when the context says a rank's
-co-runner changes at this epoch boundary (:meth:`DQNAllocator.set_context`), the rank's fitted time line,
-measured beside the old co-runner, is scaled by the NCF's predicted slowdown ratio new / old before the
-split is decided, so the plan does not wait one epoch for the measurements to catch up.
+Heterogeneous Cluster", IEEE TPDS 2021: LDWP (stage 1) places work on execution nodes; IAWP (stage 2) predicts
+the interference of co-located jobs with NCF. For linear step times the makespan-optimal batch split has an
+exact solution (:func:`~hetero_plugins.balancing.allocators.min_makespan_split`), which a learned splitter can
+only tie, so here the split under any placement is always the exact one; what is learned is (a) the slowdown a
+co-runner will cause (the NCF: when the context says a rank's co-runner changes at this epoch boundary, its
+fitted line, measured beside the old co-runner, is scaled by the predicted ratio new / old before the split,
+so the plan does not wait one epoch for the measurements) and (b) where ranks run, which the placement
+Q-network decides (``LearnedRelocator``, passed to the simulator or the integrations as their relocation).
+
+:class:`AutoAllocator` applies (a) only when the models agree and are confident (see its docstring) and
+otherwise returns ``equal_finish``'s plan unchanged; :meth:`AutoAllocator.guard` gates (b) the same way.
+The planner runs the allocators on every rank with identical inputs; rank 0's plan is broadcast (BatchBalancer).
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import math
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,103 +32,96 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.balancing.allocators import Allocator, Bounds, fitted_models, register_allocator
+from hetero_plugins._validation import check_bool, check_float, check_int
+from hetero_plugins.balancing.allocators import Allocator, fitted_models, min_makespan_split, register_allocator
 from hetero_plugins.balancing.time_model import TimeModelParams
-from hetero_plugins.scheduler.dqn import DQNTrainer, QNetwork, assign
-from hetero_plugins.scheduler.features import DecisionContext
 from hetero_plugins.scheduler.interference import interference_correction
-from hetero_plugins.scheduler.placement import equal_finish_plan
-from hetero_plugins.scheduler.problem import DecisionProblem
+from hetero_plugins.scheduler.ncf import InterferencePredictor
+from hetero_plugins.scheduler.safety import GuardedRelocator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AutoAllocator", "DQNAllocator"]
+__all__ = ["AutoAllocator", "DQNAllocator", "GuardedRelocator"]
+
+#: Options of the chunk-assignment network that split batches before the split became exact.
+_REMOVED = {
+    "model": "the Q-network no longer splits batches (the split is exact); a placement network goes to the "
+             "relocation (LearnedRelocator)",
+    "chunks_per_rank": "there are no chunks: the split is exact (min_makespan_split)",
+    "parallel": "there are no chunks: the split is exact (min_makespan_split)",
+    "online": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
+    "online_updates": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
+    "online_lr": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
+    "online_max_ranks": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
+    "seed": "the split is exact and deterministic",
+    "tolerance": "auto no longer compares a DQN plan with equal_finish; its gate is `agreement`",
+    "score_data": "auto no longer compares a DQN plan with equal_finish",
+}
+
+
+def _refuse_removed(cls: str, options: dict[str, Any]) -> None:
+    for k, v in options.items():
+        why = _REMOVED.get(k)
+        if why is None:
+            raise TypeError(f"{cls}() got an unexpected keyword argument {k!r}. HINT: see help({cls}) for its options.")
+        raise ValueError(f"`{k}`={v!r} is no longer an option of {cls}: {why}. HINT: remove `{k}`.")
+
+
+def _arrays(models: Sequence[TimeModelParams]) -> tuple[np.ndarray, np.ndarray]:
+    n = len(models)
+    a = getattr(models, "intercept", None)
+    s = getattr(models, "slope", None)
+    if isinstance(a, np.ndarray) and isinstance(s, np.ndarray):  # TimeModelLines: read the arrays
+        return a.astype(np.float64), s.astype(np.float64)
+    return (np.fromiter((m.intercept for m in models), dtype=np.float64, count=n),
+            np.fromiter((m.slope for m in models), dtype=np.float64, count=n))
 
 
 class DQNAllocator(Allocator):
-    """Per-rank batch sizes from the pre-trained DQN's greedy chunk assignment.
+    """Stage 1 as rebuilt: the exact split on the fitted lines, corrected by the NCF for announced co-runners.
+
+    The batch split is always :func:`~hetero_plugins.balancing.allocators.min_makespan_split` with the
+    per-rank bounds (what ``equal_finish`` computes), on each rank's fitted line; a rank whose co-runner
+    changes at this epoch boundary (:meth:`set_context`) has its line scaled by the NCF's predicted slowdown
+    ratio first (:class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`), always, without any
+    check. The learned part of stage 1 is the placement (which rank runs where, when to move): the placement
+    Q-network (``hetero_plugins.scheduler.placement_policy.LearnedRelocator``) is given as the relocation of a
+    run, beside this allocator (``simulate(sc, "dqn", relocation=LearnedRelocator(...))``). Without co-runner
+    context the plan is ``equal_finish``'s.
 
     Args:
-        model: a model file from ``hetero-plugins pretrain``/``transfer``, a :class:`QNetwork`, or ``None``
-            for the shipped default (feature schema checked on load).
-        chunks_per_rank: coarse chunks per rank (finer = slower decisions, same final precision).
-        parallel: at most ``N // parallel`` ranks get a chunk per scoring round (1 = exact greedy).
-        online: learn online from the measured epochs: at every decision, the previous decision's state and
-            the time lines measured since become one more training problem (a small replay keeps the last 64),
-            and ``online_updates`` Double-DQN updates run (clusters of at most ``online_max_ranks`` ranks).
-        online_updates, online_lr, online_max_ranks, seed: online learning's budget per decision, learning
-            rate, size limit and seed.
-        interference: stage 2 (IAWP): ``True`` corrects the fitted lines of ranks whose co-runner changes
-            with the shipped NCF (:class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`),
-            ``False`` turns it off; an ``InterferencePredictor`` or an NCF model file uses that predictor. It acts only when
-            :meth:`set_context` names co-runners (the simulator does; Lightning runs do with ``cluster=``).
+        interference: stage 2 (IAWP): ``True`` corrects with the shipped NCF, ``False`` turns the correction
+            off (then this is ``equal_finish``); an ``InterferencePredictor``, an ``InterferenceCorrection`` or
+            an NCF model file uses that predictor. It acts only when :meth:`set_context` names co-runners (the
+            simulator does; Lightning runs do with ``cluster=``).
+        unseen_device: what a device type the NCF was not trained on gets: ``"mean"`` (default) the mean of
+            the NCF's predictions over the device types it knows (the co-runner's typical slowdown; needs a
+            predictor with a ``devices`` vocabulary), ``"skip"`` no correction for that rank.
 
-    Extra telemetry reaches the features through :meth:`set_context`; slopes are remembered between calls
-    for the trend feature (one call per epoch under the planner).
+    The options of the former chunk-assignment network (``model``, ``chunks_per_rank``, ``parallel``,
+    ``online*``, ``seed``) are refused with a ``ValueError`` that says why.
 
     Example::
 
         >>> from hetero_plugins.balancing.allocators import Bounds
         >>> from hetero_plugins.balancing.time_model import TimeModelParams as P
-        >>> plan = DQNAllocator().allocate([P(0.0, 0.001), P(0.0, 0.004)], 64, Bounds.uniform(2))
-        >>> sum(plan), plan[0] > plan[1]
-        (64, True)
+        >>> DQNAllocator().allocate([P(0.0, 0.001), P(0.0, 0.003)], 400, Bounds.uniform(2))
+        [300, 100]
     """
 
     name = "dqn"
 
-    def __init__(self, model: str | Path | QNetwork | None = None, chunks_per_rank: int = 2, parallel: int = 4,
-                 online: bool = False, online_updates: int = 16, online_lr: float = 3e-4,
-                 online_max_ranks: int = 64, seed: int = 0, interference: Any = True) -> None:
-        self.net = model if isinstance(model, QNetwork) else QNetwork.load(model)
-        self.chunks_per_rank = check_int("chunks_per_rank", chunks_per_rank, minimum=1)
-        self.parallel = check_int("parallel", parallel, minimum=1)
-        self.online = bool(online)
-        self.online_updates = check_int("online_updates", online_updates, minimum=1)
-        self.online_lr = check_float("online_lr", online_lr, minimum=0.0)
-        self.online_max_ranks = check_int("online_max_ranks", online_max_ranks, minimum=1)
-        self.seed = int(seed)
+    def __init__(self, interference: Any = True, unseen_device: str = "mean", **removed: Any) -> None:
+        _refuse_removed(type(self).__name__, removed)
+        if unseen_device not in ("mean", "skip"):
+            raise ValueError(f"`unseen_device`={unseen_device!r} is not an option. HINT: use 'mean' or 'skip'.")
+        self.unseen_device = unseen_device
         self.correction = interference_correction(interference)
-        self._prev_slope: np.ndarray | None = None
-        self._utilisation: np.ndarray | None = None
-        self._data: np.ndarray | None = None
+        self._source = interference
+        self._vocabulary: list[str] | None = None
+        self._mean_cache: dict[tuple[str, str], float | None] = {}
         self._corunner_ctx: tuple[str, list[str], list[str | None], list[str | None]] | None = None
         self._factors: np.ndarray | None = None
-        self._last: dict[str, Any] | None = None
-        self._problems: deque[DecisionProblem] = deque(maxlen=64)
-        self._trainer: Any = None
-        #: Online learning so far: decisions learned from, DQN updates, seconds spent.
-        self.online_stats = {"decisions": 0, "updates": 0, "seconds": 0.0}
-
-    def learn(self, problem: DecisionProblem, updates: int | None = None) -> int:
-        """A few Double-DQN updates from one measured decision (its state, and the times measured after it).
-
-        The problem joins a small replay of recent decisions; episodes run on it and on older ones until
-        ``updates`` (default ``online_updates``) minibatch updates are done. Returns the updates made.
-        """
-        t0 = time.perf_counter()
-        if self._trainer is None:
-            self._trainer = DQNTrainer(net=self.net, lr=self.online_lr, gamma=0.3, batch_size=32, target_sync=50,
-                                       eps_start=0.1, eps_end=0.05, eps_decay=50, chunks_per_rank=4, seed=self.seed)
-        tr = self._trainer
-        self._problems.append(problem)
-        want = self.online_updates if updates is None else int(updates)
-        start = tr.updates
-        n = len(problem.slope)
-        per_step = max(0.05, want / (2.0 * tr.chunks_per_rank * n))
-        order = [len(self._problems) - 1] + list(tr.np_rng.permutation(len(self._problems)))
-        for k, i in enumerate(order):
-            if tr.updates - start >= want or k >= 8:
-                break
-            tr.run_episode(self._problems[i], updates_per_step=per_step)
-        while tr.updates - start < want and len(tr.replay) >= tr.batch_size:
-            tr.update()
-        self.net = tr.network()
-        self.online_stats["decisions"] += 1
-        self.online_stats["updates"] += tr.updates - start
-        self.online_stats["seconds"] += time.perf_counter() - t0
-        return tr.updates - start
 
     def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None,
                     devices: Sequence[str] | None = None, corunners: Sequence[str | None] | None = None,
@@ -130,8 +129,10 @@ class DQNAllocator(Allocator):
         """What is observable at this epoch boundary, for the next decision (every argument optional).
 
         Args:
-            utilisation: per-rank share of the device used by other processes in the last epoch.
-            data: per-rank seconds per step outside the measured compute window in the last epoch.
+            utilisation: per-rank share of the device used by other processes in the last epoch (accepted for
+                the common context of the integrations; the split does not use it).
+            data: per-rank seconds per step outside the measured compute window (accepted, not used: the split
+                is ``equal_finish``'s objective on the compute lines).
             devices: each rank's device type (the NCF's item, with the co-runner).
             corunners: the co-runner beside each rank during the last epoch (``None``: dedicated).
             next_corunners: the co-runner beside each rank in the next epoch.
@@ -140,8 +141,6 @@ class DQNAllocator(Allocator):
         Co-runners apply to the next :meth:`allocate` call only: a later call without a new context treats
         the change as measured already.
         """
-        self._utilisation = None if utilisation is None else np.asarray(utilisation, dtype=np.float64)
-        self._data = None if data is None else np.asarray(data, dtype=np.float64)
         given = [x is not None for x in (devices, corunners, next_corunners)]
         if any(given) and not all(given):
             raise ValueError("`devices`, `corunners` and `next_corunners` go together, got "
@@ -157,131 +156,350 @@ class DQNAllocator(Allocator):
         else:
             self._corunner_ctx = None
 
-    def data_times(self, world_size: int) -> np.ndarray:
-        d = self._data
-        return d if d is not None and len(d) == world_size else np.zeros(world_size)
-
-    def _take_factors(self, n: int) -> np.ndarray:
-        """Stage-2 multipliers for this decision (consumes the co-runner context)."""
+    def take_context(self, n: int) -> tuple[str, list[str], list[str | None], list[str | None]] | None:
+        """The co-runner context for a decision over ``n`` ranks (consumed: ``None`` afterwards)."""
         ctx, self._corunner_ctx = self._corunner_ctx, None
-        if self.correction is None or ctx is None or len(ctx[1]) != n:
-            return np.ones(n)
-        return self.correction.factors(*ctx)
+        return ctx if ctx is not None and len(ctx[1]) == n else None
+
+    def _devices_known(self) -> list[str]:
+        if self._vocabulary is None:
+            source = self._source
+            if source is True or isinstance(source, (str, Path)):
+                try:
+                    source = InterferencePredictor.load(None if source in (None, True) else source)
+                except (OSError, ValueError):
+                    source = None
+            devices = getattr(source, "devices", None)
+            self._vocabulary = list(devices) if isinstance(devices, (list, tuple)) else []
+        return self._vocabulary
+
+    def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
+        """The NCF's slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one); for a device type
+        it does not know, with ``unseen_device="mean"``, the mean over the device types it knows; ``None``:
+        unknown."""
+        if self.correction is None:
+            return None
+        s = self.correction.slowdown(workload, device, corunner)
+        if s is not None or corunner is None or self.unseen_device != "mean":
+            return s
+        key = (workload, corunner)
+        if key not in self._mean_cache:
+            known = [self.correction.slowdown(workload, d, corunner) for d in self._devices_known()]
+            known = [x for x in known if x is not None]
+            self._mean_cache[key] = float(np.mean(known)) if known else None
+        return self._mean_cache[key]
+
+    def ncf_factors(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None, n: int) -> np.ndarray:
+        """Per-rank NCF multipliers of the fitted lines for ``ctx``: ``NCF(next) / NCF(measured)`` (1 where
+        nothing changes or a name is unknown)."""
+        out = np.ones(n)
+        if self.correction is None or ctx is None:
+            return out
+        workload, devices, old, new = ctx
+        for i in range(n):
+            if old[i] == new[i]:
+                continue
+            s0, s1 = self.slowdown(workload, devices[i], old[i]), self.slowdown(workload, devices[i], new[i])
+            if s0 is not None and s1 is not None and s0 > 0:
+                out[i] = s1 / s0
+                self.correction.corrections += 1
+        return out
 
     def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Intercepts and slopes of ``models`` as used by the last decision (stage-2 corrections applied)."""
-        a = np.fromiter((m.intercept for m in models), dtype=np.float64, count=world_size)
-        beta = np.fromiter((m.slope for m in models), dtype=np.float64, count=world_size)
+        """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied)."""
+        a, beta = _arrays(models)
         f = self._factors
         if f is not None and len(f) == world_size:
             a, beta = a * f, beta * f
         return a, beta
 
     def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
-        """The planner's damping gate: predicted compute time of ``plan``'s slowest rank on the corrected lines.
-
-        The gate sees the stage-2 corrections (a co-runner change known at the boundary) but not the data
-        times: those are as before, so without co-runner changes the gate is the stock planner's (fits from
-        few batch sizes under drifting speeds are noisy, and the gate keeps plans from chasing them).
-        """
+        """The planner's damping gate: predicted compute time of ``plan``'s slowest rank on the lines of the
+        last decision (so a plan decided on a known co-runner change is not vetoed by the stale lines)."""
         n = len(plan)
         a, beta = self.lines(models, n)
         return float(np.max(a + beta * np.asarray(plan, dtype=np.float64)))
 
+    def split(self, models: Sequence[TimeModelParams], global_batch: int, bounds: Any,
+              factors: np.ndarray | None) -> list[int]:
+        """The exact split of ``global_batch`` on ``models`` scaled by ``factors`` (remembered for the gate)."""
+        n = bounds.world_size
+        self._factors = None if factors is None or np.all(factors == 1.0) else np.asarray(factors, dtype=np.float64)
+        a, beta = self.lines(models, n)
+        return min_makespan_split(a, beta, global_batch, bounds.min_batch, bounds.max_batch).tolist()
+
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
-        fitted = fitted_models(models)
         n = bounds.world_size
-        self._factors = self._take_factors(n)
+        ctx = self.take_context(n)
+        fitted = fitted_models(models)
         if fitted is None:
+            self._factors = None
             return self._keep_or_equal(global_batch, bounds, current)
-        intercept, slope = self.lines(fitted, n)
-        prev = self._prev_slope if self._prev_slope is not None and len(self._prev_slope) == n else None
-        util = self._utilisation if self._utilisation is not None and len(self._utilisation) == n else None
-        caps = np.minimum(np.asarray(bounds.max_batch, dtype=np.float64), global_batch)
-        data = self.data_times(n)
-        last = self._last
-        if self.online and last is not None and last["n"] == n and last["global_batch"] == global_batch \
-                and n <= self.online_max_ranks:
-            # What the previous decision saw, and what was measured afterwards: the fitted lines now.
-            raw_a, raw_b = (np.fromiter((getattr(m, k) for m in fitted), dtype=np.float64, count=n)
-                            for k in ("intercept", "slope"))
-            self.learn(DecisionProblem(
-                intercept=last["intercept"], slope=last["slope"], prev_slope=last["prev_slope"],
-                utilisation=last["utilisation"], data=last["data"], true_intercept=raw_a, true_slope=raw_b,
-                true_data=data, global_batch=global_batch, max_batch=last["max_batch"]))
-        ctx = DecisionContext(intercept, slope, global_batch, caps, prev_slope=prev, utilisation=util, data=data)
-        if self.online:
-            self._last = {"n": n, "global_batch": global_batch, "intercept": intercept, "slope": slope,
-                          "prev_slope": slope if prev is None else prev,
-                          "utilisation": np.zeros(n) if util is None else util, "data": data, "max_batch": caps}
-        self._prev_slope = slope
-        return assign(self.net, ctx, bounds.min_batch, self.chunks_per_rank, self.parallel)
+        return self.split(models, global_batch, bounds, self.ncf_factors(ctx, n))
 
 
 class AutoAllocator(Allocator):
-    """The DQN's plan, unless the closed-form equal-finish split is predicted faster: then that one.
+    """The safe scheduler: ``dqn``'s NCF-corrected exact split only when the models agree and are confident,
+    else ``equal_finish``'s plan on the fitted lines, unchanged.
 
-    Both plans come from the same time lines (the fitted ones with the stage-2 co-runner corrections of
-    :class:`DQNAllocator`) and are scored by the same prediction, max_i(a_i + beta_i b_i + data_i) with the
-    data times known through :meth:`set_context`; the DQN's plan is kept when its predicted step time is at
-    most ``(1 + tolerance)`` times the equal-finish plan's
-    (:func:`~hetero_plugins.scheduler.placement.equal_finish_plan`, the objective of ``equal_finish``,
-    vectorised). ``last_choice`` says which won. Without co-runner context the fallback is
-    ``equal_finish``'s plan on the fitted lines (same makespan).
+    Without a co-runner change in the context both are the same plan. With one, the NCF correction is applied
+    only when every check passes (``last_choice`` is then ``"ncf"``, else ``"equal_finish"``; ``last_reason``
+    says why, for logs):
+
+    - *ensemble, measured*: every run keeps the slowdown ratios it actually measured: after a rank's co-runner
+      changed, the ratio of its fitted line's time at the plan that ran to the line before the change, per
+      (device type, old, new co-runner). Where this pair was measured before, the NCF's ratio must agree with
+      the median measured one within ``agreement`` (relative), else the decision falls back.
+    - *ensemble, second predictor*: where ``reference`` (a second predictor, e.g. an additive baseline) is
+      given, the NCF's ratio must agree with its ratio within ``agreement`` too.
+    - *NCF track record*: every measured change also scores the NCF's prediction of it; once ``min_record``
+      changes are scored, their median relative error must be at most ``max_ncf_error``.
+    - *time models' residuals*: the fitted lines of ranks whose co-runner did not change must have predicted
+      this epoch's times within ``max_noise`` (robust spread of the log residuals over the last three
+      decisions); noisier lines make measured ratios and corrections unreliable, so the decision falls back.
+    - *unverified pairs*: a change never measured in this run and not checked by ``reference`` is not corrected
+      (``trust_unverified=False``): the rank is left as ``equal_finish`` sees it (``partial=True``) or the whole
+      decision falls back (``partial=False``). So the first arrival of a co-runner type on a device type is
+      measured, and the NCF is used from its next change on, once it agrees with what was measured.
+
+    What is learned online: the measured ratios, the NCF's errors and the residuals, from every epoch boundary
+    the allocator sees with a context (:meth:`set_context`; calls without one, e.g. mid-epoch re-plans, are
+    not scored). :meth:`guard` wraps a relocator so that its moves are kept only under the same checks.
 
     Args:
-        model: as for :class:`DQNAllocator`.
-        tolerance: how much worse (relative) the DQN's predicted step time may be and still be used.
-        score_data: also add the known data times when scoring the two plans. Off by default: the DQN's
-            data-aware moves change batch sizes under drifting speeds, where lines fitted from few batch sizes
-            go wrong (on the ``dynamic`` scenario this cost 18%, see docs/scheduler.md); off, the DQN's plan is
-            used only when it is predicted faster on the compute lines alone.
-        **kwargs: passed to :class:`DQNAllocator` (e.g. ``interference=False``).
+        interference, unseen_device: the NCF, as for :class:`DQNAllocator` (``False``: always ``equal_finish``).
+        agreement: relative disagreement tolerated between the NCF's ratio and a measured (or ``reference``)
+            ratio, in (0, 1].
+        max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0.
+        min_record: measured changes before the track record is judged, >= 1.
+        max_noise: largest tolerated robust spread of the time models' log residuals, > 0.
+        trust_unverified: correct changes that nothing has checked yet, on the NCF's word (default ``False``:
+            on the family's validation split, ``True`` lost 14% to ``equal_finish`` on one cluster).
+        partial: with unverified changes, correct the verified ranks only (``True``) or none (``False``).
+        reference: ``None``, or a second predictor (anything with ``predict(workload, device, corunner)``, or
+            an ``InterferenceCorrection``) the NCF must agree with.
+
+    Example::
+
+        >>> from hetero_plugins.balancing.allocators import Bounds
+        >>> from hetero_plugins.balancing.time_model import TimeModelParams as P
+        >>> auto = AutoAllocator()
+        >>> auto.allocate([P(0.0, 0.001), P(0.0, 0.003)], 400, Bounds.uniform(2)), auto.last_choice
+        ([300, 100], 'equal_finish')
     """
 
     name = "auto"
 
-    def __init__(self, model: str | Path | QNetwork | None = None, tolerance: float = 0.0, score_data: bool = False,
-                 **kwargs: Any) -> None:
-        self.dqn = DQNAllocator(model, **kwargs)
-        self.tolerance = check_float("tolerance", tolerance, minimum=0.0)
-        if not isinstance(score_data, bool):
-            raise ValueError(f"`score_data` must be True or False, got {score_data!r}. HINT: score_data=False "
-                             "(default) scores plans on the compute lines only.")
-        self.score_data = score_data
-        self.last_choice: str | None = None
+    def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
+                 min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = False, partial: bool = True,
+                 reference: Any = None, unseen_device: str = "mean", **removed: Any) -> None:
+        _refuse_removed(type(self).__name__, removed)
+        self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device)
+        self.agreement = check_float("agreement", agreement, minimum=0.0,
+                                     hint="a relative tolerance such as 0.15")
+        if not 0.0 < self.agreement <= 1.0:
+            raise ValueError(f"`agreement`={agreement!r} must be in (0, 1]. HINT: a relative tolerance such as 0.15.")
+        self.max_ncf_error = check_float("max_ncf_error", max_ncf_error, minimum=0.0, hint="e.g. 0.15")
+        if self.max_ncf_error <= 0:
+            raise ValueError(f"`max_ncf_error`={max_ncf_error!r} must be > 0. HINT: e.g. 0.15.")
+        self.min_record = check_int("min_record", min_record, minimum=1)
+        self.max_noise = check_float("max_noise", max_noise, minimum=0.0, hint="e.g. 0.08")
+        if self.max_noise <= 0:
+            raise ValueError(f"`max_noise`={max_noise!r} must be > 0. HINT: e.g. 0.08.")
+        self.trust_unverified = check_bool("trust_unverified", trust_unverified)
+        self.partial = check_bool("partial", partial)
+        if reference is not None and not (hasattr(reference, "predict") or hasattr(reference, "slowdown")):
+            raise ValueError(f"`reference`={reference!r} is not a predictor. HINT: pass None or an object with "
+                             "predict(workload, device, corunner) (e.g. an InterferencePredictor).")
+        self.reference = None if reference is None else interference_correction(reference)
+        self.last_choice: str | None = None  #: ``"ncf"`` or ``"equal_finish"`` (last decision)
+        self.last_reason: str = ""  #: why, in words
+        self.choices = {"ncf": 0, "equal_finish": 0}  #: decisions with a co-runner change, by outcome
+        #: per (workload, device, old, new): log slowdown ratios measured in this run
+        self.measured: dict[tuple[str, str, str | None, str | None], list[float]] = {}
+        self.ncf_errors: list[float] = []  #: log(NCF ratio / measured ratio) of every measured change
+        #: log(predicted / measured) line of every rank a guarded relocation moved, one epoch after the move
+        self.move_errors: list[float] = []
+        self._residuals: deque[np.ndarray] = deque(maxlen=3)
+        self._prev: dict[str, Any] | None = None
+        self._after_move: list[int] | None = None
 
+    # ---------------------------------------------------------------- the shared context
     def set_context(self, **context: Any) -> None:
         """Forwarded to :meth:`DQNAllocator.set_context`."""
         self.dqn.set_context(**context)
 
+    @property
+    def correction(self) -> Any:
+        """The NCF correction (``None`` when ``interference=False``)."""
+        return self.dqn.correction
+
     def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
         return self.dqn.predict_makespan(models, plan)
 
+    # ---------------------------------------------------------------- what the run measured
+    def noise(self) -> float | None:
+        """Robust spread (1.4826 x median absolute log residual) of the fitted lines' predictions of the
+        epochs just measured, over ranks whose co-runner did not change (``None`` before any)."""
+        if not self._residuals:
+            return None
+        r = np.concatenate(list(self._residuals))
+        return float(1.4826 * np.median(np.abs(r))) if r.size else None
+
+    def ncf_error(self) -> float | None:
+        """Median relative error of the NCF on this run's measured changes (``None`` below ``min_record``)."""
+        if len(self.ncf_errors) < self.min_record:
+            return None
+        return float(math.expm1(np.median(np.abs(self.ncf_errors))))
+
+    def measured_ratio(self, workload: str, device: str, old: str | None, new: str | None) -> float | None:
+        """The median slowdown ratio new / old measured in this run on ``device`` (``None``: never measured)."""
+        v = self.measured.get((workload, device, old, new))
+        if v:
+            return float(math.exp(np.median(v)))
+        v = self.measured.get((workload, device, new, old))
+        return float(math.exp(-np.median(v))) if v else None
+
+    def _learn(self, models: Sequence[TimeModelParams], n: int, current: Sequence[int] | None) -> None:
+        """Compare the previous boundary's lines with the lines measured since: the residuals of ranks that stayed
+        put, the slowdown ratios of ranks whose co-runner changed, and the NCF's errors on both those and the
+        lines it predicted for relocated ranks."""
+        prev = self._prev
+        if prev is None or prev["n"] != n:
+            return
+        plan = np.asarray(current if current is not None and len(current) == n else prev["plan"], dtype=np.float64)
+        a, s = _arrays(models)
+        t_obs = a + s * plan
+        t_raw = prev["a"] + prev["s"] * plan
+        ok = (t_obs > 0) & (t_raw > 0)
+        ratio = np.log(np.where(ok, t_obs, 1.0) / np.where(ok, t_raw, 1.0))
+        ctx = prev["ctx"]
+        other = np.zeros(n, dtype=bool)
+        for i in prev["moved"]:
+            if ok[i]:
+                self.move_errors.append(float(-ratio[i]))  # the NCF-priced line of its new place vs measured
+            other[i] = True
+        if ctx is not None:
+            workload, devices, old, new = ctx
+            for i in range(n):
+                if old[i] == new[i] or not ok[i] or other[i]:
+                    continue
+                other[i] = True
+                self.measured.setdefault((workload, devices[i], old[i], new[i]), []).append(float(ratio[i]))
+                f = prev["ncf"][i]
+                if f is not None:
+                    self.ncf_errors.append(float(math.log(f) - ratio[i]))
+        self._residuals.append(ratio[ok & ~other])
+
+    def moved(self, ranks: Sequence[int]) -> None:
+        """Tell the allocator that ``ranks`` were relocated (their lines are now predicted, not measured): the
+        next decision is a re-plan at the same boundary, and the next boundary scores those predictions."""
+        self._after_move = [int(r) for r in ranks]
+
+    # ---------------------------------------------------------------- the gate
+    def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray) -> str:
+        """``""`` when the NCF correction may be applied, else the reason it may not."""
+        workload, devices, old, new = ctx
+        err = self.ncf_error()
+        if err is not None and err > self.max_ncf_error:
+            return (f"NCF median error {100 * err:.0f}% on {len(self.ncf_errors)} measured changes > "
+                    f"max_ncf_error {100 * self.max_ncf_error:.0f}%")
+        sigma = self.noise()
+        if sigma is not None and sigma > self.max_noise:
+            return f"time models' residual spread {100 * sigma:.1f}% > max_noise {100 * self.max_noise:.0f}%"
+        tol = math.log1p(self.agreement)
+        for i in np.flatnonzero(factors != 1.0):
+            d, c0, c1 = devices[i], old[i], new[i]
+            q = float(factors[i])
+            checked = False
+            m = self.measured_ratio(workload, d, c0, c1)
+            if m is not None:
+                checked = True
+                if abs(math.log(q / m)) > tol:
+                    return (f"NCF ratio {q:.2f} disagrees with the measured {m:.2f} on rank {i} ({d}, {c0} -> {c1})")
+            if self.reference is not None:
+                r0, r1 = self.reference.slowdown(workload, d, c0), self.reference.slowdown(workload, d, c1)
+                if r0 is not None and r1 is not None and r0 > 0:
+                    checked = True
+                    if abs(math.log(q * r0 / r1)) > tol:
+                        return (f"NCF ratio {q:.2f} disagrees with the reference predictor's {r1 / r0:.2f} on rank "
+                                f"{i} ({d}, {c0} -> {c1})")
+            if not checked and not self.trust_unverified:
+                if not self.partial:
+                    return f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
+                factors[i] = 1.0  # left as equal_finish sees it
+        if np.all(factors == 1.0):
+            return "no verified co-runner change (trust_unverified=False)"
+        return ""
+
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
-        proposal = self.dqn.allocate(models, global_batch, bounds, current)
+        bounds.check_feasible(global_batch)
+        n = bounds.world_size
+        ctx = self.dqn.take_context(n)
         fitted = fitted_models(models)
         if fitted is None:
-            self.last_choice = "equal_finish"
-            return proposal  # both keep the current plan or split equally
-        n = bounds.world_size
-        a, beta = self.dqn.lines(fitted, n)
-        safe = equal_finish_plan(a, beta, global_batch, np.asarray(bounds.min_batch), np.asarray(bounds.max_batch))
-        data = self.dqn.data_times(n) if self.score_data else np.zeros(n)
-        t_dqn = float(np.max(a + beta * np.asarray(proposal, dtype=np.float64) + data))
-        t_safe = float(np.max(a + beta * safe + data))
-        if t_dqn <= t_safe * (1.0 + self.tolerance):
-            self.last_choice = "dqn"
-            return proposal
-        log.info("auto allocator: DQN plan predicted %.1f%% slower than equal_finish; using equal_finish",
-                 100 * (t_dqn / t_safe - 1))
-        self.last_choice = "equal_finish"
-        return [int(v) for v in safe]
+            self._prev = None
+            self.dqn._factors = None  # noqa: SLF001 - its own helper's state
+            self.last_choice, self.last_reason = "equal_finish", "no fitted line for every rank"
+            return self._keep_or_equal(global_batch, bounds, current)
+        after_move, self._after_move = self._after_move, None
+        if ctx is not None and after_move is None:
+            self._learn(models, n, current)
+        factors = self.dqn.ncf_factors(ctx, n)
+        ncf: list[float | None] = [None] * n
+        if ctx is not None and self.correction is not None:
+            workload, devices, old, new = ctx
+            for i in range(n):
+                if old[i] != new[i]:
+                    s0, s1 = self.dqn.slowdown(workload, devices[i], old[i]), \
+                        self.dqn.slowdown(workload, devices[i], new[i])
+                    ncf[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
+        if ctx is None or np.all(factors == 1.0):
+            reason = "no co-runner change" if ctx is None or all(o == w for o, w in zip(ctx[2], ctx[3])) \
+                else "no NCF prediction for the changed co-runners"
+            use = None
+        else:
+            factors = factors.copy()
+            reason = self._gate(ctx, factors)  # may reset unverified ranks to 1 (partial)
+            use = None if reason else factors
+            self.choices["ncf" if use is not None else "equal_finish"] += 1
+            if reason:
+                log.info("auto allocator: equal_finish (%s)", reason)
+        plan = self.dqn.split(models, global_batch, bounds, use)
+        a, s = _arrays(models)
+        if after_move is not None and self._prev is not None and self._prev["n"] == n:
+            # The re-plan after a relocation: the boundary's co-runner changes stay; movers are scored separately.
+            self._prev.update(a=a.copy(), s=s.copy(), plan=list(plan), moved=set(after_move))
+        elif ctx is not None or self._prev is None or self._prev["n"] != n:
+            self._prev = {"n": n, "a": a.copy(), "s": s.copy(), "plan": list(plan), "ctx": ctx, "ncf": ncf,
+                          "moved": set()}
+        self.last_choice = "ncf" if use is not None else "equal_finish"
+        self.last_reason = reason or "models agree"
+        return plan
 
-    def predicted_step_time(self, models: Sequence[TimeModelParams], plan: Sequence[int], bounds: Bounds) -> float:
-        """Kept for compatibility: :meth:`predict_makespan`."""
-        return self.predict_makespan(models, plan)
+    # ---------------------------------------------------------------- relocation under the same checks
+    def trusted(self) -> str:
+        """``""`` when relocations may go ahead, else why not (the NCF's record, the residuals, the last decision).
+        Before any residual is measured (the first boundary) the guard asks for a larger predicted gain instead."""
+        err = self.ncf_error()
+        if err is not None and err > self.max_ncf_error:
+            return f"NCF median error {100 * err:.0f}% > max_ncf_error"
+        sigma = self.noise()
+        if sigma is not None and sigma > self.max_noise:
+            return f"time models' residual spread {100 * sigma:.1f}% > max_noise"
+        if self.last_choice == "equal_finish" and "disagrees" in self.last_reason:
+            return self.last_reason
+        return ""
+
+    def guard(self, relocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2,
+              payback: float = 2.0) -> GuardedRelocator:
+        """``relocator`` (anything with the ``Relocator.propose`` keywords) whose moves are kept only when
+        :meth:`trusted`, the predicted saving over the next (at most three) epochs is at least ``payback`` times
+        the restart cost, and the predicted gain exceeds ``noise_margin`` residual spreads and is at least
+        ``min_gain`` (0.2: on the family's validation split, moves predicted to gain less were as often losses
+        as gains, the NCF-priced line of a slot being wrong when co-runners come and go)."""
+        return GuardedRelocator(relocator, self, noise_margin, min_gain, payback)
 
 
 register_allocator("dqn", DQNAllocator)

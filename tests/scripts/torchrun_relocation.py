@@ -62,7 +62,7 @@ def main() -> None:
     speeds = [SPEED[r["device"]] for r in placement(args.out)["ranks"]]
     trainer = pl.Trainer(
         accelerator="cpu", devices=2,
-        strategy=HeteroDDPStrategy(policy="auto", cluster=lambda epoch: placement(args.out),
+        strategy=HeteroDDPStrategy(policy="dqn", cluster=lambda epoch: placement(args.out),
                                    relocation=Relocator(restart_cost=0.05)),
         callbacks=[HeterogeneityEmulator(speeds, cost_per_sample=0.004), Record(args.out, resumed)],
         max_epochs=3, limit_train_batches=10, limit_val_batches=1, logger=False, enable_checkpointing=False,

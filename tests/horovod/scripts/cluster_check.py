@@ -1,4 +1,4 @@
-"""Run under ``horovodrun -np 2 --gloo``: the plain-script sampler with ``allocator="auto"`` and ``cluster=``.
+"""Run under ``horovodrun -np 2 --gloo``: the plain-script sampler with ``allocator="dqn"`` and ``cluster=``.
 
 Both ranks run at the same emulated speed; from epoch 1 the cluster description places a video job beside
 rank 1 (which then runs 1.42x slower) and offers an idle v100. Rank 0's plan for epoch 1 must already give rank 1 less work (the NCF's
@@ -33,7 +33,7 @@ def main(out_dir: str) -> None:
     data = TensorDataset(torch.randn(384, 8), torch.randint(0, 2, (384,)))
     model = torch.nn.Linear(8, 2)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    sampler = hh.HeteroBatchSampler(len(data), batch_size=16, allocator="auto", cluster=video_arrives_on_rank_1,
+    sampler = hh.HeteroBatchSampler(len(data), batch_size=16, allocator="dqn", cluster=video_arrives_on_rank_1,
                                     relocation=Relocator(restart_cost=0.0),
                                     restart_spec=os.path.join(out_dir, "restart.json"))
     opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),

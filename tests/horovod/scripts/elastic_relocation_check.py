@@ -43,7 +43,7 @@ def main(out_dir: str, names: str) -> None:
     data = TensorDataset(torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g), torch.arange(N))
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
-    sampler = hh.HeteroBatchSampler(N, batch_size=16, shuffle=True, seed=0, allocator="auto", cluster=cluster,
+    sampler = hh.HeteroBatchSampler(N, batch_size=16, shuffle=True, seed=0, allocator="dqn", cluster=cluster,
                                     relocation=Relocator(restart_cost=0.0), hosts_file=hosts_file,
                                     restart_spec=os.path.join(out_dir, "restart.json"))
     loader = DataLoader(data, batch_sampler=sampler)

@@ -1,4 +1,4 @@
-"""Run under ``horovodrun -np 2 --gloo``: ``HeteroHorovodStrategy(policy="auto", cluster=...)`` on every rank.
+"""Run under ``horovodrun -np 2 --gloo``: ``HeteroHorovodStrategy(policy="dqn", cluster=...)`` on every rank.
 
 From epoch 1 the cluster description places a video job beside rank 1 and offers an idle v100; both ranks
 run at the same emulated speed. Rank 0's decision at the end of epoch 0 must already give rank 1 less work
@@ -34,7 +34,7 @@ def main(out_dir: str) -> None:
     pl.seed_everything(0)
     spec = os.path.join(out_dir, "restart.json")
     trainer = pl.Trainer(
-        strategy=HeteroHorovodStrategy(policy="auto", cluster=video_arrives_on_rank_1,
+        strategy=HeteroHorovodStrategy(policy="dqn", cluster=video_arrives_on_rank_1,
                                        relocation=Relocator(restart_cost=0.0), restart_spec=spec),
         accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=12, limit_val_batches=1,
         callbacks=[HeterogeneityEmulator([1.0, 1.0], cost_per_sample=0.005)], logger=False,

@@ -1,0 +1,148 @@
+"""The rebuilt "dqn" and "auto" allocators: exact split on NCF-corrected lines, and auto's safety gate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_plugins.balancing.allocators import Bounds, EqualFinishAllocator, min_makespan_split
+from hetero_plugins.balancing.time_model import TimeModelParams as P
+from hetero_plugins.scheduler.interference import InterferenceCorrection
+from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
+from hetero_plugins.scheduler.relocation import Relocator
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, simulate
+
+
+class TablePredictor:
+    """A user's own slowdown predictor: a lookup table (anything with ``predict`` is accepted)."""
+
+    def __init__(self, table: dict[tuple[str, str], float]) -> None:
+        self.table = table
+
+    def predict(self, workload: str, device: str, corunner: str | None) -> float:
+        if corunner is None:
+            return 1.0
+        if (device, corunner) not in self.table:
+            raise ValueError(f"unknown pair {(device, corunner)}")
+        return self.table[(device, corunner)]
+
+
+FAST, SLOW = P(0.005, 0.0005), P(0.006, 0.0012)
+DEVICES = ["v100"] * 3 + ["t4"]
+
+
+def _scaled(m: P, f: float) -> P:
+    return P(m.intercept * f, m.slope * f)
+
+
+def _arrival_then_departure(ncf_says: float, truth: float) -> tuple[AutoAllocator, list[int], list[int]]:
+    """Epoch 1: a video job arrives beside the t4 (NCF: ``ncf_says``); epoch 2 measures it (``truth``); the job
+    leaves at epoch 3. Returns the allocator, its plan for epoch 3 and equal_finish's on the same lines."""
+    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): ncf_says, ("v100", "video"): 1.4}))
+    bounds = Bounds.uniform(4)
+    models = [FAST] * 3 + [SLOW]
+    first = auto.allocate(models, 256, bounds)
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    arrival = auto.allocate(models, 256, bounds, current=first)
+    assert auto.last_choice == "equal_finish" and arrival == first  # never measured yet: not trusted
+    assert auto.last_reason == "no verified co-runner change (trust_unverified=False)"
+    measured = [FAST] * 3 + [_scaled(SLOW, truth)]  # what the epoch beside the video job measured
+    auto.set_context(devices=DEVICES, corunners=[None] * 3 + ["video"], next_corunners=[None] * 4)
+    departure = auto.allocate(measured, 256, bounds, current=arrival)
+    return auto, departure, EqualFinishAllocator().allocate(measured, 256, bounds)
+
+
+def test_auto_falls_back_when_the_ncf_disagrees_with_a_measured_ratio():
+    auto, plan, ef = _arrival_then_departure(ncf_says=2.0, truth=1.2)
+    assert auto.measured_ratio("training", "t4", None, "video") == pytest.approx(1.2)
+    assert auto.last_choice == "equal_finish" and "disagrees with the measured 0.83" in auto.last_reason
+    assert plan == ef  # equal_finish's plan on the fitted lines, unchanged
+    # The same run with an NCF that agrees with what was measured: the departure is corrected.
+    auto, plan, ef = _arrival_then_departure(ncf_says=1.25, truth=1.2)
+    assert auto.last_choice == "ncf" and plan != ef and plan[3] > ef[3]  # the t4 gets its speed back at once
+    assert auto.choices == {"ncf": 1, "equal_finish": 1}
+    # The video job returns to the t4 (a verified change: measured before) and a first one arrives beside a
+    # v100 (never seen): only the verified rank is corrected (partial=True), the other stays as equal_finish
+    # sees it.
+    lines = [FAST] * 3 + [SLOW]  # the epoch after the departure measured the t4 alone again
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
+    mixed = auto.allocate(lines, 256, Bounds.uniform(4), current=plan)
+    a, s = np.array([m.intercept for m in lines]), np.array([m.slope for m in lines])
+    f = np.array([1.0, 1.0, 1.0, 1.25])
+    assert auto.last_choice == "ncf" and mixed == min_makespan_split(a * f, s * f, 256, [1] * 4, [256] * 4).tolist()
+    # trust_unverified=True corrects the first arrival too.
+    trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}), trust_unverified=True)
+    trusting.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    told = trusting.allocate([FAST] * 3 + [SLOW], 256, Bounds.uniform(4))
+    assert trusting.last_choice == "ncf" and told[3] < ef[3]
+
+
+def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_reference():
+    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0, ("t4", "etl"): 1.5}), min_record=1)
+    auto.ncf_errors.append(float(np.log(2.0 / 1.2)))  # one measured change, predicted 67% too slow
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
+    models = [FAST] * 3 + [SLOW]
+    bounds = Bounds.uniform(4)
+    assert auto.allocate(models, 256, bounds) == EqualFinishAllocator().allocate(models, 256, bounds)
+    assert "NCF median error 67%" in auto.last_reason
+    ref = AutoAllocator(interference=TablePredictor({("t4", "etl"): 1.5}),
+                        reference=TablePredictor({("t4", "etl"): 1.1}))
+    ref.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
+    ref.allocate(models, 256, Bounds.uniform(4))
+    assert ref.last_choice == "equal_finish" and "reference predictor's 1.10" in ref.last_reason
+    with pytest.raises(ValueError, match="`agreement`=2.0 must be in \\(0, 1\\].*HINT"):
+        AutoAllocator(agreement=2.0)
+    with pytest.raises(ValueError, match="`tolerance`=0.1 is no longer an option of AutoAllocator.*HINT: remove"):
+        AutoAllocator(tolerance=0.1)
+    with pytest.raises(ValueError, match="`reference`=3 is not a predictor.*HINT"):
+        AutoAllocator(reference=3)
+
+
+@pytest.mark.parametrize("name", ["static_mix", "dynamic", "paper_mix"])
+def test_auto_is_equal_finish_on_scenarios_without_corunners(name):
+    spec = BUILTIN_SCENARIOS[name]
+    assert not any("corunner" in ev for ev in spec.get("events", []))
+    ef, auto = simulate(spec, "equal_finish"), simulate(spec, AutoAllocator())
+    assert auto["plans"] == ef["plans"] and auto["epoch_times"] == ef["epoch_times"]
+
+
+def test_dqn_split_is_the_exact_split_on_ncf_corrected_lines():
+    rng = np.random.default_rng(3)
+    table = {("v100", "video"): 1.4, ("t4", "video"): 1.9, ("v100", "etl"): 1.2, ("t4", "etl"): 1.3}
+    for _ in range(20):
+        n = int(rng.integers(3, 40))
+        devices = list(rng.choice(["v100", "t4"], n))
+        old = [None if c == "-" else c for c in rng.choice(["-", "video", "etl"], n)]
+        new = [None if c == "-" else c for c in rng.choice(["-", "video", "etl"], n)]
+        a, s = rng.uniform(0.0, 0.01, n), rng.uniform(2e-4, 3e-3, n)
+        lo, hi = rng.integers(1, 4, n), rng.integers(64, 256, n)
+        gb = int(rng.integers(lo.sum(), hi.sum() + 1))
+        dqn = DQNAllocator(interference=TablePredictor(table))
+        dqn.set_context(devices=devices, corunners=old, next_corunners=new)
+        plan = dqn.allocate([P(x, y) for x, y in zip(a, s)], gb, Bounds(tuple(map(int, lo)), tuple(map(int, hi))))
+        f = InterferenceCorrection(TablePredictor(table)).factors("training", devices, old, new)
+        assert plan == min_makespan_split(a * f, s * f, gb, lo, hi).tolist()
+        if np.any(f != 1.0):  # the damping gate sees the corrected lines
+            assert dqn.predict_makespan([P(x, y) for x, y in zip(a, s)], plan) == pytest.approx(
+                float(np.max((a + s * np.array(plan)) * f)))
+
+
+def test_guard_keeps_relocations_only_when_the_models_are_trusted():
+    auto = AutoAllocator()
+    guarded = auto.guard(Relocator(restart_cost=0.0), min_gain=0.0)
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
+              lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100"}],
+              global_batch=512, steps_per_epoch=20, epochs_left=5)
+    small = dict(kw, next_corunners=[None, None], lines=[(0.005, 0.0005), (0.006, 0.00064)])
+    assert guarded.propose(**small).moves == []  # 10% predicted, within 2 x max_noise before any residual
+    assert "none measured yet" in guarded.last_reason
+    models = [P(0.005, 0.0005), P(0.006, 0.0012)]
+    for _ in range(2):  # two epoch boundaries; the lines predicted the epoch between them: residuals 0
+        auto.set_context(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, None])
+        auto.allocate(models, 512, Bounds.uniform(2))
+    assert auto.noise() == 0.0
+    assert guarded.propose(**small).moves == [(1, 0)] and guarded.kept == 1 and guarded.vetoed == 1
+    auto.move_errors += [0.5, 0.6]  # the lines predicted for two moved ranks were 65% and 82% off
+    assert guarded.propose(**kw).moves == [] and "2 moved ranks erred by 73%" in guarded.last_reason
+    default = AutoAllocator().guard(Relocator(restart_cost=0.0))  # min_gain 0.2: 12% is not worth the risk
+    assert default.propose(**small).moves == [] and default.last_reason == "predicted gain 12.1% < min_gain 20%"
