@@ -25,7 +25,6 @@ down to single samples, so plans keep single-sample precision in about 10 ms at 
 from __future__ import annotations
 
 import copy
-import math
 import random
 import time
 from collections import deque
@@ -35,7 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.scheduler.features import FEATURES, DecisionContext, read_model, write_model
+from hetero_plugins.scheduler.features import (
+    FEATURES,
+    DecisionContext,
+    mlp_arrays,
+    mlp_forward,
+    mlp_from_arrays,
+    mlp_random,
+    read_model,
+    write_model,
+)
 
 __all__ = ["DQNTrainer", "QNetwork", "assign"]
 
@@ -67,30 +75,20 @@ class QNetwork:
     @classmethod
     def random(cls, hidden: Sequence[int] = (32, 32), seed: int = 0) -> QNetwork:
         """An untrained network (He-initialised), e.g. a baseline or a starting point."""
-        rng = np.random.default_rng(seed)
-        sizes = [len(FEATURES), *hidden, 1]
-        return cls([(rng.normal(0, math.sqrt(2.0 / i), (i, o)), np.zeros(o)) for i, o in zip(sizes[:-1], sizes[1:])])
+        return cls(mlp_random([len(FEATURES), *hidden, 1], seed))
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> QNetwork:
         """Load a model file (``None``: the shipped default); refuses another feature schema."""
         arrays, meta = read_model(path, "dqn", DEFAULT_MODEL)
-        n = len([k for k in arrays if k.startswith("W")])
-        return cls([(arrays[f"W{i}"], arrays[f"b{i}"]) for i in range(n)], meta)
+        return cls(mlp_from_arrays(arrays), meta)
 
     def save(self, path: str | Path, **meta: Any) -> Path:
         """Write the weights and a metadata header (feature schema version, ``meta``)."""
-        arrays: dict[str, np.ndarray] = {}
-        for i, (w, b) in enumerate(self.layers):
-            arrays[f"W{i}"], arrays[f"b{i}"] = w, b
-        return write_model(path, arrays, {**self.meta, **meta, "kind": "dqn"})
+        return write_model(path, mlp_arrays(self.layers), {**self.meta, **meta, "kind": "dqn"})
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = np.asarray(x, dtype=np.float32)
-        for w, b in self.layers[:-1]:
-            h = np.maximum(h @ w + b, 0.0)
-        w, b = self.layers[-1]
-        return (h @ w + b)[:, 0]
+        return mlp_forward(self.layers, x, np.float32)
 
 
 def _chunk_size(free: int, world: int, chunks_per_rank: int) -> int:

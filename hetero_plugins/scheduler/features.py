@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -37,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "read_model", "write_model"]
+__all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "mlp_arrays", "mlp_forward", "mlp_from_arrays",
+           "mlp_random", "read_model", "write_model"]
 
 FEATURE_SCHEMA_VERSION = 1
 FEATURES: tuple[str, ...] = (
@@ -108,6 +111,37 @@ class DecisionContext:
         out[:, 8] = st[:, 5]
         out[:, 9] = ld / self.mean_load
         return out
+
+
+Layers = list[tuple[np.ndarray, np.ndarray]]
+
+
+def mlp_random(sizes: Sequence[int], seed: int) -> Layers:
+    """He-initialised ``[(W, b), ...]`` for an MLP with layer widths ``sizes`` (zero biases)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(0, math.sqrt(2.0 / i), (i, o)), np.zeros(o)) for i, o in zip(sizes[:-1], sizes[1:])]
+
+
+def mlp_forward(layers: Layers, x: np.ndarray, dtype: Any) -> np.ndarray:
+    """The MLP's one output per row of ``x``: ReLU between layers, a linear last layer, computed in ``dtype``."""
+    h = np.asarray(x, dtype=dtype)
+    for w, b in layers[:-1]:
+        h = np.maximum(h @ w + b, 0.0)
+    w, b = layers[-1]
+    return (h @ w + b)[:, 0]
+
+
+def mlp_arrays(layers: Layers) -> dict[str, np.ndarray]:
+    """The layers as the arrays :func:`write_model` stores (``W0``, ``b0``, ``W1``, ...)."""
+    arrays: dict[str, np.ndarray] = {}
+    for i, (w, b) in enumerate(layers):
+        arrays[f"W{i}"], arrays[f"b{i}"] = w, b
+    return arrays
+
+
+def mlp_from_arrays(arrays: dict[str, np.ndarray]) -> Layers:
+    """The layers back from :func:`mlp_arrays`' arrays (as :func:`read_model` returns them)."""
+    return [(arrays[f"W{i}"], arrays[f"b{i}"]) for i in range(len([k for k in arrays if k.startswith("W")]))]
 
 
 def write_model(path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:

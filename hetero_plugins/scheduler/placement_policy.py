@@ -53,7 +53,14 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
-from hetero_plugins.scheduler.features import read_model, write_model
+from hetero_plugins.scheduler.features import (
+    mlp_arrays,
+    mlp_forward,
+    mlp_from_arrays,
+    mlp_random,
+    read_model,
+    write_model,
+)
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
@@ -111,9 +118,7 @@ class PlacementNetwork:
     @classmethod
     def random(cls, hidden: Sequence[int] = (32, 32), seed: int = 0) -> PlacementNetwork:
         """An untrained network (He-initialised, output layer near zero: "stay" everywhere)."""
-        rng = np.random.default_rng(seed)
-        sizes = [_F, *hidden, 1]
-        layers = [(rng.normal(0, math.sqrt(2.0 / i), (i, o)), np.zeros(o)) for i, o in zip(sizes[:-1], sizes[1:])]
+        layers = mlp_random([_F, *hidden, 1], seed)
         layers[-1] = (layers[-1][0] * 0.01, layers[-1][1])
         return cls(layers)
 
@@ -125,26 +130,18 @@ class PlacementNetwork:
             raise ValueError(f"placement model {str(path or DEFAULT_PLACEMENT_MODEL)!r} was built for features "
                              f"{meta.get('features')}, this version uses {list(PLACEMENT_FEATURES)}. HINT: rebuild it "
                              "with `hetero-plugins pretrain-placement`, or pass model=None for the shipped one.")
-        n = len([k for k in arrays if k.startswith("W")])
-        return cls([(arrays[f"W{i}"], arrays[f"b{i}"]) for i in range(n)], meta)
+        return cls(mlp_from_arrays(arrays), meta)
 
     def save(self, path: str | Path, **meta: Any) -> Path:
         """Write the weights and a metadata header (the feature list, ``meta``)."""
-        arrays: dict[str, np.ndarray] = {}
-        for i, (w, b) in enumerate(self.layers):
-            arrays[f"W{i}"], arrays[f"b{i}"] = w, b
-        return write_model(path, arrays, {**self.meta, **meta, "kind": "placement",
+        return write_model(path, mlp_arrays(self.layers), {**self.meta, **meta, "kind": "placement",
                                           "features": list(PLACEMENT_FEATURES)})
 
     def copy(self) -> PlacementNetwork:
         return PlacementNetwork([(w.copy(), b.copy()) for w, b in self.layers], self.meta)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        h = np.asarray(x, dtype=np.float64)
-        for w, b in self.layers[:-1]:
-            h = np.maximum(h @ w + b, 0.0)
-        w, b = self.layers[-1]
-        return (h @ w + b)[:, 0]
+        return mlp_forward(self.layers, x, np.float64)
 
     def fit(self, x: np.ndarray, y: np.ndarray, steps: int = 2000, lr: float = 1e-3, batch: int = 128,
             seed: int = 0, weight_decay: float = 1e-5, state: dict[str, Any] | None = None) -> float:
