@@ -76,9 +76,6 @@ __all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
 #: The keywords the balancing classes take: every option of ``BalancingOptions`` and ``policy``.
 _OPTION_NAMES = (*(f.name for f in dataclasses.fields(BalancingOptions)), "policy")
 
-#: Per-rank system readings added to each ``plan_history`` entry (``None`` where unknown, e.g. no GPU).
-_STATS = EPOCH_STATS
-
 
 class BatchBalancer(Callback):
     """Rebalances per-rank batch sizes every epoch and weights gradients by each rank's samples.
@@ -385,7 +382,7 @@ class BatchBalancer(Callback):
         coordinator = self._coordinate(trainer)
         entry = coordinator.end_epoch(
             trainer.current_epoch, records, elapsed,
-            local_extra=[float(stats.get(k, -1.0)) for k in _STATS], memory_cap=None if cap < 0 else cap,
+            local_extra=[float(stats.get(k, -1.0)) for k in EPOCH_STATS], memory_cap=None if cap < 0 else cap,
             start_plan=self._start_plan, annotations={"plan_changes": list(self._plan_changes)},
             epochs_left=max_epochs - trainer.current_epoch - 1,
             write_relocation=functools.partial(write_torchrun_relocation, trainer, self.options, self._warn_once),
@@ -401,7 +398,7 @@ class BatchBalancer(Callback):
             entry.update(next_batch_sizes=list(used), plan_changed=False, predicted_gain=0.0)
         if entry.get("relocation") and entry["relocation"].get("checkpoint"):
             restart_for_relocation(trainer, entry["relocation"])
-        for col, key in enumerate(_STATS):
+        for col, key in enumerate(EPOCH_STATS):
             entry[key] = [None if v < 0 else float(v) for v in coordinator.extras[:, col]]
         if self.options.log_metrics:
             metrics = {f"hetero/batch_size/rank_{r}": float(b) for r, b in enumerate(entry["batch_sizes"])}
