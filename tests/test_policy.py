@@ -37,44 +37,54 @@ def _scaled(m: P, f: float) -> P:
 
 def _arrival_then_departure(ncf_says: float, truth: float) -> tuple[AutoAllocator, list[int], list[int]]:
     """Epoch 1: a video job arrives beside the t4 (NCF: ``ncf_says``); epoch 2 measures it (``truth``); the job
-    leaves at epoch 3. Returns the allocator, its plan for epoch 3 and equal_finish's on the same lines."""
-    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): ncf_says, ("v100", "video"): 1.4}))
+    leaves at epoch 3. Returns the allocator (not trusting unchecked predictions), its plan for epoch 3 and
+    equal_finish's on the same lines."""
+    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): ncf_says, ("v100", "video"): 1.4}),
+                         trust_unverified=False)
     bounds = Bounds.uniform(4)
     models = [FAST] * 3 + [SLOW]
     first = auto.allocate(models, 256, bounds)
     auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
     arrival = auto.allocate(models, 256, bounds, current=first)
     assert auto.last_choice == "equal_finish" and arrival == first  # never measured yet: not trusted
-    assert auto.last_reason == "no verified co-runner change (trust_unverified=False)"
+    assert auto.last_reason == "rank 3 (t4, None -> video) is unverified and trust_unverified=False"
     measured = [FAST] * 3 + [_scaled(SLOW, truth)]  # what the epoch beside the video job measured
     auto.set_context(devices=DEVICES, corunners=[None] * 3 + ["video"], next_corunners=[None] * 4)
     departure = auto.allocate(measured, 256, bounds, current=arrival)
     return auto, departure, EqualFinishAllocator().allocate(measured, 256, bounds)
 
 
-def test_auto_falls_back_when_the_ncf_disagrees_with_a_measured_ratio():
-    auto, plan, ef = _arrival_then_departure(ncf_says=2.0, truth=1.2)
+def _exact(lines: list[P], factors: list[float]) -> list[int]:
+    a, s = np.array([m.intercept for m in lines]), np.array([m.slope for m in lines])
+    f = np.array(factors)
+    return min_makespan_split(a * f, s * f, 256, [1] * 4, [256] * 4).tolist()
+
+
+@pytest.mark.parametrize("ncf_says", [2.0, 1.25])
+def test_auto_corrects_a_measured_change_by_the_measured_ratio_whatever_the_ncf_says(ncf_says):
+    auto, plan, ef = _arrival_then_departure(ncf_says=ncf_says, truth=1.2)
     assert auto.measured_ratio("training", "t4", None, "video") == pytest.approx(1.2)
-    assert auto.last_choice == "equal_finish" and "disagrees with the measured 0.83" in auto.last_reason
-    assert plan == ef  # equal_finish's plan on the fitted lines, unchanged
-    # The same run with an NCF that agrees with what was measured: the departure is corrected.
-    auto, plan, ef = _arrival_then_departure(ncf_says=1.25, truth=1.2)
-    assert auto.last_choice == "ncf" and plan != ef and plan[3] > ef[3]  # the t4 gets its speed back at once
+    # The departure was measured (in reverse) by the arrival: the t4 gets its speed back at once, by the
+    # measured ratio, never by the NCF's (2.0 disagrees with it; 1.25 agrees within `agreement`).
+    measured = [FAST] * 3 + [_scaled(SLOW, 1.2)]
+    assert auto.last_choice == "ncf" and plan != ef and plan[3] > ef[3]
+    assert plan == _exact(measured, [1.0, 1.0, 1.0, 1 / 1.2])
+    assert auto.sources == {"measured": 1, "ncf": 0}
+    assert auto.disagreements == (1 if ncf_says == 2.0 else 0)
     assert auto.choices == {"ncf": 1, "equal_finish": 1}
-    # The video job returns to the t4 (a verified change: measured before) and a first one arrives beside a
-    # v100 (never seen): only the verified rank is corrected (partial=True), the other stays as equal_finish
+    # The video job returns to the t4 (measured before) and a first one arrives beside a v100 (never seen,
+    # trust_unverified=False): only the t4 is corrected, by the measured 1.2; the v100 stays as equal_finish
     # sees it.
     lines = [FAST] * 3 + [SLOW]  # the epoch after the departure measured the t4 alone again
     auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
     mixed = auto.allocate(lines, 256, Bounds.uniform(4), current=plan)
-    a, s = np.array([m.intercept for m in lines]), np.array([m.slope for m in lines])
-    f = np.array([1.0, 1.0, 1.0, 1.25])
-    assert auto.last_choice == "ncf" and mixed == min_makespan_split(a * f, s * f, 256, [1] * 4, [256] * 4).tolist()
-    # trust_unverified=True corrects the first arrival too.
-    trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}), trust_unverified=True)
+    assert auto.last_choice == "ncf" and mixed == _exact(lines, [1.0, 1.0, 1.0, 1.2])
+    # The default (trust_unverified=True) corrects the first arrival on the NCF's word.
+    trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}))
     trusting.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
     told = trusting.allocate([FAST] * 3 + [SLOW], 256, Bounds.uniform(4))
-    assert trusting.last_choice == "ncf" and told[3] < ef[3]
+    assert trusting.last_choice == "ncf" and told == _exact([FAST] * 3 + [SLOW], [1.0, 1.0, 1.0, 2.0])
+    assert trusting.sources == {"measured": 0, "ncf": 1}
 
 
 def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_reference():
@@ -129,7 +139,7 @@ def test_dqn_split_is_the_exact_split_on_ncf_corrected_lines():
 
 def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     auto = AutoAllocator()
-    guarded = auto.guard(Relocator(restart_cost=0.0), min_gain=0.0)
+    guarded = auto.guard(Relocator(restart_cost=0.0), noise_margin=2.0)
     kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
               lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100"}],
               global_batch=512, steps_per_epoch=20, epochs_left=5)
@@ -144,5 +154,8 @@ def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     assert guarded.propose(**small).moves == [(1, 0)] and guarded.kept == 1 and guarded.vetoed == 1
     auto.move_errors += [0.5, 0.6]  # the lines predicted for two moved ranks were 65% and 82% off
     assert guarded.propose(**kw).moves == [] and "2 moved ranks erred by 73%" in guarded.last_reason
-    default = AutoAllocator().guard(Relocator(restart_cost=0.0))  # min_gain 0.2: 12% is not worth the risk
-    assert default.propose(**small).moves == [] and default.last_reason == "predicted gain 12.1% < min_gain 20%"
+    strict = AutoAllocator().guard(Relocator(restart_cost=0.0), min_gain=0.2)  # 12% is not worth the risk
+    assert strict.propose(**small).moves == [] and strict.last_reason == "predicted gain 12.1% < min_gain 20%"
+    # The defaults leave the gain's size to the relocator; the models are still checked.
+    default = AutoAllocator().guard(Relocator(restart_cost=0.0))
+    assert default.propose(**small).moves == [(1, 0)] and default.kept == 1

@@ -240,28 +240,25 @@ class DQNAllocator(Allocator):
 
 
 class AutoAllocator(Allocator):
-    """The safe scheduler: ``dqn``'s NCF-corrected exact split only when the models agree and are confident,
-    else ``equal_finish``'s plan on the fitted lines, unchanged.
+    """The safe scheduler: the exact split on lines corrected by the best evidence for each changed rank, and
+    ``equal_finish``'s plan, unchanged, when the time models are too noisy to trust any correction.
 
-    Without a co-runner change in the context both are the same plan. With one, the NCF correction is applied
-    only when every check passes (``last_choice`` is then ``"ncf"``, else ``"equal_finish"``; ``last_reason``
-    says why, for logs):
+    Without a co-runner change in the context the plan is ``equal_finish``'s. With one, each rank whose co-runner
+    changes is corrected by (``last_choice`` is ``"ncf"`` when any rank is corrected, else ``"equal_finish"``;
+    ``last_reason`` says why, for logs; ``sources`` counts which evidence was used):
 
     - *ensemble, measured*: every run keeps the slowdown ratios it actually measured: after a rank's co-runner
       changed, the ratio of its fitted line's time at the plan that ran to the line before the change, per
-      (device type, old, new co-runner). Where this pair was measured before, the NCF's ratio must agree with
-      the median measured one within ``agreement`` (relative), else the decision falls back.
-    - *ensemble, second predictor*: where ``reference`` (a second predictor, e.g. an additive baseline) is
-      given, the NCF's ratio must agree with its ratio within ``agreement`` too.
-    - *NCF track record*: every measured change also scores the NCF's prediction of it; once ``min_record``
-      changes are scored, their median relative error must be at most ``max_ncf_error``.
+      (device type, old, new co-runner). Where this change was measured before, the median measured ratio is
+      the correction (a measurement outranks any model; a disagreeing NCF is counted in ``disagreements``).
+    - *the NCF*, for a change not measured yet, when its *track record* passes (every measured change also
+      scores the NCF's prediction of it; once ``min_record`` changes are scored, their median relative error
+      must be at most ``max_ncf_error``), ``reference`` (a second predictor, e.g. an additive baseline, where
+      given) agrees within ``agreement``, and ``trust_unverified`` allows a prediction nothing has checked.
+    - otherwise the rank is left as ``equal_finish`` sees it (``partial=False``: the whole decision falls back).
     - *time models' residuals*: the fitted lines of ranks whose co-runner did not change must have predicted
       this epoch's times within ``max_noise`` (robust spread of the log residuals over the last three
       decisions); noisier lines make measured ratios and corrections unreliable, so the decision falls back.
-    - *unverified pairs*: a change never measured in this run and not checked by ``reference`` is not corrected
-      (``trust_unverified=False``): the rank is left as ``equal_finish`` sees it (``partial=True``) or the whole
-      decision falls back (``partial=False``). So the first arrival of a co-runner type on a device type is
-      measured, and the NCF is used from its next change on, once it agrees with what was measured.
 
     What is learned online: the measured ratios, the NCF's errors and the residuals, from every epoch boundary
     the allocator sees with a context (:meth:`set_context`; calls without one, e.g. mid-epoch re-plans, are
@@ -274,8 +271,9 @@ class AutoAllocator(Allocator):
         max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0.
         min_record: measured changes before the track record is judged, >= 1.
         max_noise: largest tolerated robust spread of the time models' log residuals, > 0.
-        trust_unverified: correct changes that nothing has checked yet, on the NCF's word (default ``False``:
-            on the family's validation split, ``True`` lost 14% to ``equal_finish`` on one cluster).
+        trust_unverified: correct changes nothing has checked yet on the NCF's word (default ``True``: on the
+            family's validation split, with measured ratios first, ``False`` scored min 0.955 / mean 1.02 of the
+            best analytic allocator, ``True`` min 1.004 / mean 1.157).
         partial: with unverified changes, correct the verified ranks only (``True``) or none (``False``).
         reference: ``None``, or a second predictor (anything with ``predict(workload, device, corunner)``, or
             an ``InterferenceCorrection``) the NCF must agree with.
@@ -292,7 +290,7 @@ class AutoAllocator(Allocator):
     name = "auto"
 
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
-                 min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = False, partial: bool = True,
+                 min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True, partial: bool = True,
                  reference: Any = None, unseen_device: str = "mean", **removed: Any) -> None:
         _refuse_removed(type(self).__name__, removed)
         self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device)
@@ -316,6 +314,9 @@ class AutoAllocator(Allocator):
         self.last_choice: str | None = None  #: ``"ncf"`` or ``"equal_finish"`` (last decision)
         self.last_reason: str = ""  #: why, in words
         self.choices = {"ncf": 0, "equal_finish": 0}  #: decisions with a co-runner change, by outcome
+        #: changed ranks corrected by a ratio measured in this run / by the NCF's prediction
+        self.sources = {"measured": 0, "ncf": 0}
+        self.disagreements = 0  #: changes where the NCF disagreed with the measured ratio (the measured one was used)
         #: per (workload, device, old, new): log slowdown ratios measured in this run
         self.measured: dict[tuple[str, str, str | None, str | None], list[float]] = {}
         self.ncf_errors: list[float] = []  #: log(NCF ratio / measured ratio) of every measured change
@@ -399,38 +400,60 @@ class AutoAllocator(Allocator):
 
     # ---------------------------------------------------------------- the gate
     def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray) -> str:
-        """``""`` when the NCF correction may be applied, else the reason it may not."""
+        """Sets each changed rank's correction in ``factors`` (the ensemble, rank by rank) and returns ``""``, or
+        the reason the whole decision falls back to ``equal_finish``.
+
+        A change this run measured before is corrected by the median measured ratio (a measurement outranks any
+        model; where the NCF disagrees with it the disagreement is logged). Otherwise the NCF's ratio is used
+        when its track record passes, the ``reference`` agrees (where given) and ``trust_unverified`` allows an
+        unchecked prediction; else the rank stays as ``equal_finish`` sees it (``partial=False``: the whole
+        decision falls back)."""
         workload, devices, old, new = ctx
-        err = self.ncf_error()
-        if err is not None and err > self.max_ncf_error:
-            return (f"NCF median error {100 * err:.0f}% on {len(self.ncf_errors)} measured changes > "
-                    f"max_ncf_error {100 * self.max_ncf_error:.0f}%")
         sigma = self.noise()
         if sigma is not None and sigma > self.max_noise:
             return f"time models' residual spread {100 * sigma:.1f}% > max_noise {100 * self.max_noise:.0f}%"
+        err = self.ncf_error()
+        ncf_bad = err is not None and err > self.max_ncf_error
         tol = math.log1p(self.agreement)
-        for i in np.flatnonzero(factors != 1.0):
+        left: list[str] = []  # why changed ranks were left uncorrected
+        for i in range(len(devices)):
             d, c0, c1 = devices[i], old[i], new[i]
+            if c0 == c1:
+                continue
             q = float(factors[i])
-            checked = False
             m = self.measured_ratio(workload, d, c0, c1)
             if m is not None:
-                checked = True
-                if abs(math.log(q / m)) > tol:
-                    return (f"NCF ratio {q:.2f} disagrees with the measured {m:.2f} on rank {i} ({d}, {c0} -> {c1})")
-            if self.reference is not None:
+                if q != 1.0 and abs(math.log(q / m)) > tol:
+                    self.disagreements += 1
+                    log.info("auto allocator: NCF ratio %.2f disagrees with the measured %.2f on rank %d (%s, %s -> %s);"
+                             " the measured one is used", q, m, i, d, c0, c1)
+                factors[i] = m
+                self.sources["measured"] += 1
+                continue
+            if q == 1.0:
+                continue  # no NCF prediction for this change
+            why = ""
+            if ncf_bad:
+                why = (f"NCF median error {100 * err:.0f}% on {len(self.ncf_errors)} measured changes > "
+                       f"max_ncf_error {100 * self.max_ncf_error:.0f}%")
+            elif self.reference is not None:
                 r0, r1 = self.reference.slowdown(workload, d, c0), self.reference.slowdown(workload, d, c1)
-                if r0 is not None and r1 is not None and r0 > 0:
-                    checked = True
-                    if abs(math.log(q * r0 / r1)) > tol:
-                        return (f"NCF ratio {q:.2f} disagrees with the reference predictor's {r1 / r0:.2f} on rank "
-                                f"{i} ({d}, {c0} -> {c1})")
-            if not checked and not self.trust_unverified:
-                if not self.partial:
-                    return f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
+                if r0 is not None and r1 is not None and r0 > 0 and abs(math.log(q * r0 / r1)) > tol:
+                    why = (f"NCF ratio {q:.2f} disagrees with the reference predictor's {r1 / r0:.2f} on rank {i} "
+                           f"({d}, {c0} -> {c1})")
+                elif (r0 is None or r1 is None or r0 <= 0) and not self.trust_unverified:
+                    why = f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
+            elif not self.trust_unverified:
+                why = f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
+            if why:
                 factors[i] = 1.0  # left as equal_finish sees it
+                left.append(why)
+            else:
+                self.sources["ncf"] += 1
+        if left and not self.partial:
+            return left[0]
         if np.all(factors == 1.0):
-            return "no verified co-runner change (trust_unverified=False)"
+            return left[0] if left else "no co-runner change with a prediction or a measurement"
         return ""
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
@@ -455,10 +478,8 @@ class AutoAllocator(Allocator):
                     s0, s1 = self.dqn.slowdown(workload, devices[i], old[i]), \
                         self.dqn.slowdown(workload, devices[i], new[i])
                     ncf[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
-        if ctx is None or np.all(factors == 1.0):
-            reason = "no co-runner change" if ctx is None or all(o == w for o, w in zip(ctx[2], ctx[3])) \
-                else "no NCF prediction for the changed co-runners"
-            use = None
+        if ctx is None or self.correction is None or all(o == w for o, w in zip(ctx[2], ctx[3])):
+            reason, use = "no co-runner change", None
         else:
             factors = factors.copy()
             reason = self._gate(ctx, factors)  # may reset unverified ranks to 1 (partial)
@@ -488,17 +509,20 @@ class AutoAllocator(Allocator):
         sigma = self.noise()
         if sigma is not None and sigma > self.max_noise:
             return f"time models' residual spread {100 * sigma:.1f}% > max_noise"
-        if self.last_choice == "equal_finish" and "disagrees" in self.last_reason:
+        if self.last_choice == "equal_finish" and "disagrees" in self.last_reason:  # with the reference predictor
             return self.last_reason
         return ""
 
-    def guard(self, relocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2,
-              payback: float = 2.0) -> GuardedRelocator:
+    def guard(self, relocator: Any, noise_margin: float = 0.0, min_gain: float = 0.0,
+              payback: float = 0.0) -> GuardedRelocator:
         """``relocator`` (anything with the ``Relocator.propose`` keywords) whose moves are kept only when
-        :meth:`trusted`, the predicted saving over the next (at most three) epochs is at least ``payback`` times
-        the restart cost, and the predicted gain exceeds ``noise_margin`` residual spreads and is at least
-        ``min_gain`` (0.2: on the family's validation split, moves predicted to gain less were as often losses
-        as gains, the NCF-priced line of a slot being wrong when co-runners come and go)."""
+        :meth:`trusted` (the NCF's track record and the time models' residuals), the lines of earlier moves were
+        right and no measured slowdown of a target slot contradicts the NCF; optionally also only when the
+        predicted saving over the next (at most three) epochs is at least ``payback`` times the restart cost
+        and the predicted gain exceeds ``noise_margin`` residual spreads and ``min_gain``. The defaults (0) leave
+        payback and size to the relocator: on the family's validation split (20 clusters, 3 seeds) ``auto``
+        with the learned relocator scored min 1.004 / mean 1.157 of the best analytic allocator with them, and
+        min 0.999 / mean 1.092 with ``noise_margin=2, min_gain=0.2, payback=2``, which vetoed most good moves."""
         return GuardedRelocator(relocator, self, noise_margin, min_gain, payback)
 
 

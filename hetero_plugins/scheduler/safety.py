@@ -44,11 +44,11 @@ class GuardedRelocator:
     (``recovered``). ``kept`` and ``vetoed`` count decisions and ``last_reason`` says why.
     """
 
-    def __init__(self, relocator: Any, allocator: Any, noise_margin: float = 2.0, min_gain: float = 0.2,
-                 payback: float = 2.0) -> None:
+    def __init__(self, relocator: Any, allocator: Any, noise_margin: float = 0.0, min_gain: float = 0.0,
+                 payback: float = 0.0) -> None:
         if not hasattr(relocator, "propose"):
             raise ValueError(f"`relocator`={relocator!r} has no propose(). HINT: pass a Relocator or LearnedRelocator.")
-        self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0, hint="e.g. 2.0")
+        self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0, hint="e.g. 0.0 or 2.0")
         self.min_gain = check_float("min_gain", min_gain, minimum=0.0, hint="e.g. 0.2")
         self.payback = check_float("payback", payback, minimum=0.0, hint="e.g. 2.0")
         self.inner = relocator
