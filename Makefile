@@ -36,7 +36,7 @@ bench: $(STAMP) $(HVD_STAMP)
 
 # The learned scheduler against its targets on the simulator; updates the table in docs/scheduler.md.
 bench-scheduler: $(STAMP)
-	$(PY) benchmarks/scheduler_bench.py --out bench_output/scheduler.json --update-docs docs/scheduler.md
+	$(PY) benchmarks/scheduler_bench.py --out bench_output/scheduler.json --update-docs docs/scheduler.md --update-readme README.md
 
 # The aggregation modes under stalls, a mid-epoch speed change and local SGD; updates README.md.
 bench-aggregation: $(STAMP)

@@ -17,10 +17,9 @@ Targets (each verdict is computed from the figures, never written by hand):
 Policies, each run closed loop in the simulator (``simulate``) with a fresh scheduler per run:
 
 - ``auto``: :class:`~hetero_plugins.scheduler.policy.AutoAllocator` with its guarded relocation
-  (``auto.guard(LearnedRelocator)``, or the greedy ``Relocator`` where the learned one is not available);
+  (``auto.guard(LearnedRelocator)``);
 - ``auto_split``: the same allocator without relocation;
-- ``dqn``: :class:`~hetero_plugins.scheduler.policy.DQNAllocator` with the learned relocation (none where not
-  available);
+- ``dqn``: :class:`~hetero_plugins.scheduler.policy.DQNAllocator` with the learned relocation;
 
 Runs go through :func:`~hetero_plugins.scheduler.sim.evaluate.evaluate` (fresh allocator and relocator per
 run) and :func:`~hetero_plugins.scheduler.sim.evaluate.best_analytic`.
@@ -45,23 +44,22 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins.balancing.allocators import Bounds, get_allocator
+from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.scheduler.measured import leave_pairs_out, load_measured_predictor, load_table
+from hetero_plugins.scheduler.placement_policy import LearnedRelocator
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
 from hetero_plugins.scheduler.relocation import Relocator
-from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, load_scenario
+from hetero_plugins.scheduler.sim.evaluate import best_analytic, evaluate
+from hetero_plugins.scheduler.sim.family import family_scenarios, generate_scenario
+from hetero_plugins.scheduler.transfer import transfer_placement
 
 START, END = "<!-- scheduler-bench:start -->", "<!-- scheduler-bench:end -->"
+README_START, README_END = "<!-- readme-scheduler:start -->", "<!-- readme-scheduler:end -->"
 ANALYTIC = ("equal_finish", "lbb", "proportional")
 BUILTINS = ("static_mix", "paper_mix", "interference", "dynamic", "elastic")
 POLICIES = ("auto", "auto_split", "dqn", "learned", "greedy")
-
-
-def _optional(module: str, name: str) -> Any:
-    """``module.name`` where another part of the project provides it, else ``None`` (reported as not available)."""
-    try:
-        mod = __import__(module, fromlist=[name])
-    except ImportError:
-        return None
-    return getattr(mod, name, None)
 
 
 def _single_thread() -> Any:
@@ -74,46 +72,17 @@ def _single_thread() -> Any:
 
 
 class Components:
-    """What the policies are built from: the NCF (the measured one where shipped) and the learned relocator."""
+    """What the policies are built from: the NCF trained on the shipped measured table and the learned relocator."""
 
     def __init__(self) -> None:
-        load_measured = _optional("hetero_plugins.scheduler.measured", "load_measured_predictor")
-        self.ncf: Any = True
-        self.ncf_source = "shipped NCF (default)"
-        if load_measured is not None:
-            try:
-                self.ncf, self.ncf_source = load_measured(), "NCF trained on the measured table"
-            except (OSError, ValueError) as err:
-                self.ncf_source = f"shipped NCF (measured NCF not loadable: {err})"
-        self.learned_cls = _optional("hetero_plugins.scheduler.placement_policy", "LearnedRelocator")
+        self.ncf: Any = load_measured_predictor()
+        self.ncf_source = "NCF trained on the measured table"
 
-    def learned(self, sc: Any) -> Any:
-        if self.learned_cls is None:
-            return None
-        return self.learned_cls(predictor=self.ncf, workload=sc.workload, restart_cost=sc.restart_cost)
+    def learned(self, sc: Any) -> LearnedRelocator:
+        return LearnedRelocator(predictor=self.ncf, workload=sc.workload, restart_cost=sc.restart_cost)
 
     def greedy(self, sc: Any) -> Relocator:
         return Relocator(predictor=self.ncf, workload=sc.workload, restart_cost=sc.restart_cost)
-
-    def build(self, policy: str, sc: Any) -> tuple[Any, Any, Any]:
-        """``(allocator, relocation, handle)`` for one run (``handle``: what to read decisions from)."""
-        if policy in ANALYTIC or policy == "none":
-            return ("equal_finish" if policy == "none" else policy), None, None
-        if policy == "auto":
-            auto = AutoAllocator(interference=self.ncf)
-            inner = self.learned(sc) or self.greedy(sc)
-            guard = auto.guard(inner)
-            return auto, guard, (auto, guard)
-        if policy == "auto_split":
-            auto = AutoAllocator(interference=self.ncf)
-            return auto, None, (auto, None)
-        if policy == "dqn":
-            return DQNAllocator(interference=self.ncf), self.learned(sc), None
-        if policy == "learned":
-            return "equal_finish", self.learned(sc), None
-        if policy == "greedy":
-            return "equal_finish", self.greedy(sc), None
-        raise ValueError(f"unknown policy {policy!r}")
 
 
 def has_churn_and_slots(spec: dict[str, Any]) -> bool:
@@ -132,24 +101,20 @@ def policies(comp: Components, record: dict[str, list[Any]]) -> dict[str, tuple[
         return auto
 
     def auto_reloc(sc: Any) -> Any:
-        guard = record["auto"][-1].guard(comp.learned(sc) or comp.greedy(sc))
+        guard = record["auto"][-1].guard(comp.learned(sc))
         record["guard"].append(guard)
         return guard
 
     out: dict[str, tuple[Any, Any]] = {a: (a, None) for a in ANALYTIC}
     out["auto"] = (auto_alloc, auto_reloc)
     out["auto_split"] = (lambda sc: AutoAllocator(interference=comp.ncf), None)
-    out["dqn"] = (lambda sc: DQNAllocator(interference=comp.ncf), comp.learned if comp.learned_cls else None)
-    if comp.learned_cls is not None:
-        out["learned"] = ("equal_finish", comp.learned)
+    out["dqn"] = (lambda sc: DQNAllocator(interference=comp.ncf), comp.learned)
+    out["learned"] = ("equal_finish", comp.learned)
     out["greedy"] = ("equal_finish", comp.greedy)
     return out
 
 
 def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split: str) -> dict[str, Any]:
-    from hetero_plugins.scheduler.sim.evaluate import best_analytic, evaluate
-    from hetero_plugins.scheduler.sim import load_scenario
-
     sc = load_scenario(spec)
     record: dict[str, list[Any]] = {"auto": [], "guard": []}
     rows = evaluate([sc], policies(comp, record), seeds)
@@ -182,17 +147,13 @@ def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split
 def scenario_sets(test_count: int, quick: bool, table: Any = None) -> tuple[list[tuple[str, dict[str, Any]]], str]:
     """``(split, spec)`` of the test split's first ``test_count`` scenarios (drawn with the measured ``table``,
     default the shipped one) and the built-ins."""
-    family_scenarios = _optional("hetero_plugins.scheduler.sim.family", "family_scenarios")
     out: list[tuple[str, dict[str, Any]]] = []
-    note = "family: not available"
-    if family_scenarios is not None and test_count > 0:
-        try:
-            kw = {} if table is None else {"table": table}
-            out += [("test", s) for s in family_scenarios("test", test_count, **kw)]
-            note = (f"family 'default', test split, first {test_count} seeds"
-                    + ("" if table is None else ", interference from the table given with --table"))
-        except ValueError as err:  # no measured table shipped yet
-            note = f"family: not generated ({err})"
+    note = "no test scenarios"
+    if test_count > 0:
+        kw = {} if table is None else {"table": table}
+        out += [("test", s) for s in family_scenarios("test", test_count, **kw)]
+        note = (f"family 'default', test split, first {test_count} seeds"
+                + ("" if table is None else ", interference from the table given with --table"))
     for name in ("static_mix", "interference", "elastic") if quick else BUILTINS:
         out.append(("built-in", BUILTIN_SCENARIOS[name]))
     return out, note
@@ -200,14 +161,7 @@ def scenario_sets(test_count: int, quick: bool, table: Any = None) -> tuple[list
 
 def decision_latency(comp: Components, repeats: int = 15) -> dict[str, Any]:
     """``auto``'s decision at 1024 ranks, a co-runner change announced on a tenth of them (median ms, one core)."""
-    from hetero_plugins.balancing.allocators import Bounds
-    from hetero_plugins.balancing.time_model import TimeModelParams
-
-    gen = _optional("hetero_plugins.scheduler.sim.family", "generate_scenario")
-    spec: Any = "large"
-    if gen is not None:
-        with contextlib.suppress(ValueError):
-            spec = gen(8, world=1024)
+    spec = generate_scenario(8, world=1024)
     sim = ClusterSim(spec)
     sc = sim.scenario
     n = sim.world_size
@@ -223,8 +177,6 @@ def decision_latency(comp: Components, repeats: int = 15) -> dict[str, Any]:
             alloc = {"equal_finish": None, "dqn": DQNAllocator(interference=comp.ncf),
                      "auto": AutoAllocator(interference=comp.ncf)}[label]
             if alloc is None:
-                from hetero_plugins.balancing.allocators import get_allocator
-
                 alloc = get_allocator("equal_finish")
             ts = []
             for k in range(repeats + 1):
@@ -240,22 +192,15 @@ def decision_latency(comp: Components, repeats: int = 15) -> dict[str, Any]:
     return out
 
 
-def ncf_leave_pairs_out(quick: bool) -> dict[str, Any] | None:
-    lpo = _optional("hetero_plugins.scheduler.measured", "leave_pairs_out")
-    load_table = _optional("hetero_plugins.scheduler.measured", "load_table")
-    if lpo is None or load_table is None:
-        return None
-    res = lpo(load_table(), folds=5 if quick else None)
+def ncf_leave_pairs_out(quick: bool) -> dict[str, Any]:
+    res = leave_pairs_out(load_table(), folds=5 if quick else None)
     return {k: v for k, v in res.items() if k != "pairs"}
 
 
-def transfer_result(quick: bool) -> dict[str, Any] | None:
-    fn = _optional("hetero_plugins.scheduler.transfer", "transfer_placement")
-    if fn is None:
-        return None
+def transfer_result(quick: bool) -> dict[str, Any]:
     if quick:
         return {"skipped": "not run with --quick"}
-    return fn(seeds=(0, 1, 2, 3, 4))
+    return transfer_placement(seeds=(0, 1, 2, 3, 4))
 
 
 def _fmt(x: float | None) -> str:
@@ -283,10 +228,10 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                                    f"below goal on {sum(x < goal for x in v)}",
                         "ok": min(v) >= goal})
     churn = [r for r in rows if r["split"] == "test" and r["churn_and_slots"]]
-    if not churn or "learned_vs_none" not in churn[0]:
-        why = "learned relocator not available" if churn else "no test scenario with churn and free slots"
+    if not churn:
         out.append({"target": "learned placement vs greedy / vs none (test, churn + slots)",
-                    "goal": ">= 1.05 / >= 1.10, never < 0.99", "figures": why, "ok": None})
+                    "goal": ">= 1.05 / >= 1.10, never < 0.99", "figures": "no test scenario with churn and free slots",
+                    "ok": None})
     else:
         g = float(np.mean([r["learned_vs_greedy"] for r in churn]))
         nn = float(np.mean([r["learned_vs_none"] for r in churn]))
@@ -295,19 +240,15 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                               "churn + slots", "goal": ">= 1.05", "figures": f"{g:.3f}", "ok": g >= 1.05})
         out.append({"target": "learned placement vs no relocation, same scenarios (mean / min)",
                     "goal": ">= 1.10 / >= 0.99", "figures": f"{nn:.3f} / {lo:.3f}", "ok": nn >= 1.10 and lo >= 0.99})
-    ncf = res.get("ncf_leave_pairs_out")
-    if ncf is None:
-        out.append({"target": "NCF leave-pairs-out mean relative error", "goal": "<= 0.10 and < additive",
-                    "figures": "measured NCF not available", "ok": None})
-    else:
-        e, b = ncf["ncf_mean_rel_error"], ncf["additive_mean_rel_error"]
-        out.append({"target": f"NCF leave-pairs-out mean relative error ({ncf.get('pairs_count')} pairs, "
-                              f"{ncf.get('folds')} folds)", "goal": "<= 0.10 and < additive",
-                    "figures": f"NCF {e:.3f}, additive {b:.3f}", "ok": e <= 0.10 and e < b})
-    tr = res.get("transfer")
-    if tr is None or "skipped" in tr:
+    ncf = res["ncf_leave_pairs_out"]
+    e, b = ncf["ncf_mean_rel_error"], ncf["additive_mean_rel_error"]
+    out.append({"target": f"NCF leave-pairs-out mean relative error ({ncf.get('pairs_count')} pairs, "
+                          f"{ncf.get('folds')} folds)", "goal": "<= 0.10 and < additive",
+                "figures": f"NCF {e:.3f}, additive {b:.3f}", "ok": e <= 0.10 and e < b})
+    tr = res["transfer"]
+    if "skipped" in tr:
         out.append({"target": "transfer (placement network)", "goal": "within 2% of scratch with <= 25% samples",
-                    "figures": "transfer_placement not available" if tr is None else tr["skipped"], "ok": None})
+                    "figures": tr["skipped"], "ok": None})
     else:
         v = tr.get("verdict") or {}
         final, ft = v.get("scratch_final"), v.get("fine_tuned_at_25pct")
@@ -327,8 +268,7 @@ def table(res: dict[str, Any]) -> str:
     rows = res["scenarios"]
     lines = [f"Steady simulated throughput (samples/s after epoch 0, mean of {len(res['seeds'])} noise seeds) "
              f"relative to the best analytic allocator of the same scenario; {res['scenario_note']}; "
-             f"{res['ncf_source']}; learned relocator: "
-             f"{'available' if res['learned_available'] else 'not available (auto uses the greedy Relocator)'}.",
+             f"{res['ncf_source']}.",
              "", "| target | goal | figures | verdict |", "|---|---|---|---|"]
     for t in res["targets"]:
         lines.append(f"| {t['target']} | {t['goal']} | {t['figures']} | {_mark(t['ok'])} |")
@@ -350,11 +290,20 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(path: Path, text: str) -> None:
+def summary(res: dict[str, Any]) -> str:
+    """The targets table alone (for the README)."""
+    lines = ["| target | goal | figures | verdict |", "|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['goal']} | {t['figures']} | {_mark(t['ok'])} |" for t in res["targets"]]
+    lines.append(f"\nMean of {len(res['seeds'])} noise seeds; {res['scenario_note']}; {res['ncf_source']}. Measured "
+                 f"with `{res['command']}` ({res['bench_seconds']:.0f} s, {res['machine']['processor']}).")
+    return "\n".join(lines)
+
+
+def update_docs(path: Path, text: str, start: str = START, end: str = END) -> None:
     doc = path.read_text()
-    block = f"{START}\n{text}\n{END}"
-    if START in doc and END in doc:
-        doc = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
+    block = f"{start}\n{text}\n{end}"
+    if start in doc and end in doc:
+        doc = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
     else:
         doc = doc.rstrip() + "\n\n" + block + "\n"
     path.write_text(doc)
@@ -369,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 4 test scenarios, 3 built-ins, a small NCF and transfer check")
     parser.add_argument("--update-docs", default=None, help="write the table between the markers of this file")
+    parser.add_argument("--update-readme", default=None,
+                        help="write the targets table between the readme-scheduler markers of this file")
     parser.add_argument("--skip-transfer", action="store_true", help="leave the transfer curves out (the slowest part)")
     parser.add_argument("--table", default=None,
                         help="a measured interference table (JSON) to draw the family's interference from "
@@ -388,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     table_arg = None if args.table is None else json.loads(Path(args.table).read_text())
     sets, note = scenario_sets(count, args.quick, table_arg)
     res: dict[str, Any] = {"seeds": seeds, "scenario_note": note, "ncf_source": comp.ncf_source,
-                           "learned_available": comp.learned_cls is not None, "quick": args.quick, "scenarios": []}
+                           "quick": args.quick, "scenarios": []}
     with _single_thread():
         for split, spec in sets:
             t1 = time.perf_counter()
@@ -417,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.update_docs:
         update_docs(Path(args.update_docs), text)
+    if args.update_readme:
+        update_docs(Path(args.update_readme), summary(res), README_START, README_END)
     print(f"\nwritten {path} in {res['bench_seconds']:.0f} s")
     return 0
 

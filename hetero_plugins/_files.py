@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+"""Atomic file writes (a reader sees the old file or the new one, never half of one), and reading a file the
+user names or else a resource shipped in the package (:func:`read_shipped_or_file`).
 
 The text goes to a fresh temporary file in the target's directory (created with ``O_CREAT | O_EXCL`` under a
 random name by :func:`tempfile.mkstemp`, so a file or symlink planted at a predictable name such as
@@ -14,7 +15,24 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomic"]
+__all__ = ["read_shipped_or_file", "write_atomic"]
+
+
+def read_shipped_or_file(source: str | os.PathLike[str] | None, package: str, resource: str, arg: str,
+                         hint: str, what: str = "file") -> tuple[bytes, str]:
+    """``(bytes, label)`` of the file ``source``, or of the package resource ``resource`` (a path under
+    ``package``) when ``source`` is ``None``; ``label`` names it in error messages ("shipped <what> 'x'" or
+    "<what> 'path'"). A ``source`` that is not a file raises ``ValueError`` naming the argument ``arg``, the
+    value and ``hint``."""
+    if source is None:
+        from importlib import resources
+
+        name = resource.rsplit("/", 1)[-1]
+        return resources.files(package).joinpath(*resource.split("/")).read_bytes(), f"shipped {what} {name!r}"
+    p = Path(source)
+    if not p.is_file():
+        raise ValueError(f"`{arg}`={str(source)!r} is not a file. HINT: {hint}")
+    return p.read_bytes(), f"{what} {str(p)!r}"
 
 
 def _umask() -> int | None:

@@ -36,12 +36,12 @@ __all__ = ["BalancingOptions", "check_keywords", "resolve_policy"]
 
 
 def resolve_policy(allocator: str | Allocator | None, policy: str | Allocator | None) -> str | Allocator:
-    """``allocator`` and its alias ``policy``: the one given (default ``"equal_finish"``); both must agree.
+    """``allocator`` and its alias ``policy``: the one given (default ``"auto"``); both must agree.
 
     Example::
 
-        >>> resolve_policy(None, "auto"), resolve_policy(None, None)
-        ('auto', 'equal_finish')
+        >>> resolve_policy(None, "lbb"), resolve_policy(None, None)
+        ('lbb', 'auto')
     """
     if allocator is not None and policy is not None and allocator != policy:
         raise ValueError(
@@ -49,7 +49,7 @@ def resolve_policy(allocator: str | Allocator | None, policy: str | Allocator | 
             "HINT: give only one of them."
         )
     chosen = policy if policy is not None else allocator
-    return "equal_finish" if chosen is None else chosen
+    return "auto" if chosen is None else chosen
 
 
 def check_keywords(owner: str, given: Iterable[str], accepted: Iterable[str], where: str) -> None:
@@ -87,9 +87,12 @@ class BalancingOptions:
     """The options of per-epoch batch balancing, shared by every class that balances.
 
     Args:
-        allocator: how a plan is made from the per-rank time models: ``"equal_finish"`` (default: all ranks
-            predicted to finish a step together), ``"lbb"`` (LBB, Yao et al. 2024), ``"proportional"``,
-            ``"static"``, the learned ``"dqn"`` / ``"auto"`` of :mod:`hetero_plugins.scheduler`, or an
+        allocator: how a plan is made from the per-rank time models: ``"auto"`` (default: the two-stage
+            scheduler's safe policy, :class:`~hetero_plugins.scheduler.policy.AutoAllocator`: the exact
+            equal-finish split, on lines corrected for announced co-runner changes when the run's measurements
+            or the NCF support it; without a cluster description it is ``"equal_finish"``, plan for plan),
+            ``"equal_finish"`` (all ranks predicted to finish a step together), ``"lbb"`` (LBB, Yao et al.
+            2024), ``"proportional"``, ``"static"``, the learned ``"dqn"``, or an
             :class:`~hetero_plugins.balancing.allocators.Allocator`. The glue classes also accept it as
             ``policy=`` (the learned scheduler's name for it); giving both with different values is an error.
         min_batch_size: smallest local batch a rank may get (raise it for BatchNorm models).
@@ -114,9 +117,10 @@ class BalancingOptions:
             Rank 0 reads it: allocators with ``set_context`` (``"dqn"``, ``"auto"``) get the co-runner changes
             and the measured data times before each epoch-end decision.
         relocation: with free slots in the cluster description, rank 0 decides at every epoch end whether
-            moving ranks to them pays for a restart (``True``: a default
-            :class:`~hetero_plugins.scheduler.relocation.Relocator`, 60 s per restart; ``False``: off; or a
-            ``Relocator``). A gaining relocation is logged, added to ``plan_history`` as ``relocation`` and
+            moving ranks to them pays for a restart (``True``: with ``allocator="auto"`` the learned
+            :class:`~hetero_plugins.scheduler.placement_policy.LearnedRelocator` under ``auto``'s guard, with any
+            other allocator the greedy :class:`~hetero_plugins.scheduler.relocation.Relocator`; 60 s per restart;
+            ``False``: off; or a ``Relocator``). A gaining relocation is logged, added to ``plan_history`` as ``relocation`` and
             written as a restart spec, with a ``RuntimeWarning`` naming the gain.
         restart_spec: where the restart spec goes (default ``<default_root_dir>/hetero_restart.json`` under
             Lightning, ``hetero_restart.json`` in the working directory for ``horovodrun`` scripts).
@@ -144,7 +148,7 @@ class BalancingOptions:
         ValueError: on construction, for any unusable value; the message names the option, the value and the fix.
     """
 
-    allocator: str | Allocator = "equal_finish"
+    allocator: str | Allocator = "auto"
     min_batch_size: int = 1
     max_batch_size: int | None = None
     min_gain: float = 0.03

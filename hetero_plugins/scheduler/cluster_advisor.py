@@ -38,8 +38,10 @@ class ClusterAdvisor:
 
     Args:
         source: the cluster description: a JSON file path (re-read at every call) or a callable ``epoch -> dict``.
-        relocation: ``True`` (a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False``
-            (never relocate) or a ``Relocator``.
+        relocation: ``True`` (the default: with an allocator that has ``guard``, such as ``"auto"``, the learned
+            :class:`~hetero_plugins.scheduler.placement_policy.LearnedRelocator` under that allocator's guard,
+            else a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False`` (never relocate)
+            or a ``Relocator``.
 
     Attributes:
         placement: the placement in force during the current epoch (``None`` before :meth:`start`).
@@ -50,6 +52,8 @@ class ClusterAdvisor:
         self.relocation = self.check_relocation(relocation)
         self.placement: ClusterView | None = None
         self._relocator: Any = None
+        self._allocator: Any = None  # the allocator of the last decision (auto guards the relocator)
+        self._names: Any = None  # a default Relocator, for its vocabulary only
         self._last_moves: list[tuple[int, int]] | None = None
         self._warned: set[str] = set()
         self._warned_names: set[tuple[str, str]] = set()
@@ -91,6 +95,7 @@ class ClusterAdvisor:
                 warnings.warn(f"hetero_plugins: cluster description skipped this epoch: {err}", RuntimeWarning,
                               stacklevel=2)
             return None
+        self._allocator = allocator
         self.check_names(upcoming)
         measured = self.placement or upcoming
         set_context = getattr(allocator, "set_context", None)
@@ -124,9 +129,17 @@ class ClusterAdvisor:
         return decision, new
 
     def _get_relocator(self) -> Any:
-        """The relocator deciding the moves (``None`` with ``relocation=False``)."""
+        """The relocator deciding the moves (``None`` with ``relocation=False``); with ``relocation=True``, built at
+        the first decision: ``auto``'s guard around the learned relocator, or the greedy ``Relocator``."""
         if self._relocator is None and self.relocation is not False:
-            self._relocator = Relocator() if self.relocation is True else self.relocation
+            if self.relocation is not True:
+                self._relocator = self.relocation
+            elif hasattr(self._allocator, "guard"):
+                from hetero_plugins.scheduler.placement_policy import LearnedRelocator
+
+                self._relocator = self._allocator.guard(LearnedRelocator())
+            else:
+                self._relocator = Relocator()
         return self._relocator
 
     def check_names(self, view: ClusterView) -> list[tuple[str, str]]:
@@ -145,7 +158,13 @@ class ClusterAdvisor:
 
         Returns the ``(field, name)`` pairs not known (warned about now or before).
         """
-        relocator = self._get_relocator()
+        relocator = self._relocator
+        if relocator is None and self.relocation is not False:
+            if self.relocation is not True:
+                relocator = self.relocation
+            else:  # before the first decision: the default model's vocabulary (the learned relocator's too)
+                self._names = self._names or Relocator()
+                relocator = self._names
         known = getattr(relocator, "known_names", lambda: None)() if relocator is not None else None
         if known is None:
             return []

@@ -14,7 +14,7 @@ from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracl
 from hetero_plugins.scheduler.transfer import transfer_dqn
 from hetero_plugins.progress import progress, timed
 
-__all__ = ["compare", "pretrain_main", "pretrain_placement_main", "simulate_main", "transfer_main"]
+__all__ = ["compare", "default_relocation", "pretrain_main", "pretrain_placement_main", "simulate_main", "transfer_main"]
 
 DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
@@ -34,12 +34,27 @@ def _allocators(text: str) -> list[str]:
 ANALYTIC = ("static", "proportional", "equal_finish", "lbb")
 
 
+def default_relocation(alloc: Any, sc: Any, relocation: Any) -> Any:
+    """What ``relocation=True`` means for ``alloc`` in a simulated run, as in the integrations: ``auto``'s guard
+    around the learned relocator, the learned relocator alone for ``dqn``, the greedy ``Relocator`` otherwise
+    (any other ``relocation`` is returned as given)."""
+    if relocation is not True:
+        return relocation
+    from hetero_plugins.scheduler.placement_policy import LearnedRelocator
+
+    if getattr(alloc, "name", None) not in ("auto", "dqn"):
+        return True
+    learned = LearnedRelocator(workload=sc.workload, restart_cost=sc.restart_cost)
+    return alloc.guard(learned) if hasattr(alloc, "guard") else learned
+
+
 def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed: int | None = None,
             analytic: tuple[str, ...] = ANALYTIC, relocation: Any = None) -> dict[str, Any]:
     """One run of ``policy`` on ``scenario`` beside the oracle, the equal split and the best analytic allocator.
 
-    ``relocation`` (``True`` or a :class:`~hetero_plugins.scheduler.relocation.Relocator`) lets the policy's
-    run move ranks to free slots (stage 2, see :func:`~hetero_plugins.scheduler.sim.simulate`); the analytic runs never
+    ``relocation`` (``True``: :func:`default_relocation`, or a
+    :class:`~hetero_plugins.scheduler.relocation.Relocator`) lets the policy's run move ranks to free slots
+    (see :func:`~hetero_plugins.scheduler.sim.simulate`); the analytic runs never
     relocate (they have no model of a slot they have not run on).
 
     Throughputs are samples per second of simulated training over all epochs (``samples_per_s``) and after the
@@ -52,7 +67,8 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
     if "static" not in analytic:
         analytic = ("static", *analytic)
     bar = progress(total=len(analytic) + 2, desc=f"simulate {sc.name}", unit="run")
-    runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed, relocation=relocation)}
+    runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed,
+                               relocation=default_relocation(alloc, sc, relocation))}
     bar.update()
     for name in analytic:
         runs[name] = (runs["policy"] if name == policy and not relocation
@@ -165,7 +181,8 @@ def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     for a in progress(_allocators(args.allocators), desc=f"simulate {sc.name}", unit="allocator"):
         alloc = get_allocator(a)
-        r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
+        r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed,
+                     relocation=default_relocation(alloc, sc, args.relocate or None))
         if hasattr(alloc, "last_choice"):
             r["last_choice"] = alloc.last_choice
         results[a] = r

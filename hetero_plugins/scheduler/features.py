@@ -33,11 +33,12 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hetero_plugins._files import read_shipped_or_file
 
 __all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "mlp_arrays", "mlp_forward", "mlp_from_arrays",
            "mlp_random", "read_model", "write_model"]
@@ -161,15 +162,10 @@ def read_model(source: str | Path | None, kind: str, default: str) -> tuple[dict
     Raises:
         ValueError: the file is missing, is not a ``kind`` model, or was built for another feature schema.
     """
-    if source is None:
-        data = resources.files("hetero_plugins.scheduler").joinpath("models", default).read_bytes()
-        label = f"shipped model {default!r}"
-    else:
-        p = Path(source)
-        if not p.is_file():
-            raise ValueError(f"`model`={str(source)!r} is not a file. HINT: pass a file written by "
-                             "`hetero-plugins pretrain` / `transfer`, or model=None for the shipped default.")
-        data, label = p.read_bytes(), f"model file {str(p)!r}"
+    data, label = read_shipped_or_file(
+        source, "hetero_plugins.scheduler", f"models/{default}", "model",
+        "pass a file written by `hetero-plugins pretrain` / `transfer`, or model=None for the shipped default.",
+        what="model" if source is None else "model file")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: np.asarray(z[k], dtype=np.float64) for k in z.files if k != "meta"}

@@ -30,12 +30,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hetero_plugins._files import read_shipped_or_file
 from hetero_plugins.scheduler.ncf import InterferencePredictor
 
 __all__ = ["MEASURED_MODEL", "SHIPPED_TABLE", "additive_baseline", "format_table", "leave_pairs_out",
@@ -101,15 +101,11 @@ def validate_table(table: Any, label: str = "table") -> dict[str, Any]:
 
 def load_table(path: str | Path | None = None) -> dict[str, Any]:
     """Read and validate a table file (``None``: the shipped ``models/interference_cpu.json``)."""
-    if path is None:
-        text = resources.files("hetero_plugins.scheduler").joinpath("models", SHIPPED_TABLE).read_text()
-        label = f"shipped table {SHIPPED_TABLE!r}"
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"`path`={str(path)!r} is not a file. HINT: write one with `hetero-plugins "
-                             "profile-interference --out FILE`, or pass None for the shipped table.")
-        text, label = p.read_text(), f"table {str(p)!r}"
+    data, label = read_shipped_or_file(
+        path, "hetero_plugins.scheduler", f"models/{SHIPPED_TABLE}", "path",
+        "write one with `hetero-plugins profile-interference --out FILE`, or pass None for the shipped table.",
+        what="table")
+    text = data.decode("utf-8")
     try:
         table = json.loads(text)
     except json.JSONDecodeError as err:

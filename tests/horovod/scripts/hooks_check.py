@@ -142,6 +142,7 @@ def main(out_path: str) -> None:
     s4 = hh.HeteroBatchSampler(96, batch_size=4, allocator="lbb", min_batch_size=2)
     assert s3.options == BalancingOptions(allocator="lbb", min_batch_size=2, replan_every=None), s3.options
     assert s3.planner.allocator.name == s4.planner.allocator.name == "lbb"
+    assert hh.HeteroBatchSampler(96, batch_size=4).planner.allocator.name == "auto"  # the default policy
     assert s3.planner.min_batch_size == s4.planner.min_batch_size == 2
     refused = {}
     for name, value in (("balance_eval", False), ("replan_every", 3), ("log_metrics", False),
