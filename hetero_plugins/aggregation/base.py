@@ -153,6 +153,11 @@ class Aggregator(ABC):
         self.stats = AggregationStats()
         self.last_counts: list[int] | None = None
         self.backlogs: list[int] | None = None
+        self._init_state(buffers)
+
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
+        """The mode's own state, set once the common state is: what a mode overrides instead of ``__init__``
+        (calling ``super()._init_state(buffers)`` first). ``buffers``: as given to the constructor."""
 
     def setup(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Check the run against the mode once the optimizers exist. Collective: every rank calls it (``wbsp``
@@ -216,14 +221,8 @@ class SampleWeightedAggregator(Aggregator):
 
     micro_batched = True
 
-    def __init__(
-        self,
-        options: AggregationOptions,
-        comm: Collectives,
-        params: Iterable[torch.Tensor],
-        buffers: Iterable[torch.Tensor] = (),
-    ) -> None:
-        super().__init__(options, comm, params, buffers)
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
+        super()._init_state(buffers)
         #: Samples this rank processed in the step in progress.
         self.step_samples = 0
 

@@ -20,8 +20,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+import torch
 
 from hetero_plugins.aggregation.base import SampleWeightedAggregator, StepContext
 from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, take_rows
@@ -157,8 +159,8 @@ class DeadlineAggregator(SampleWeightedAggregator):
 
     mode = "deadline"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
+        super()._init_state(buffers)
         assert self.options.micro_batches is not None  # AggregationOptions fills every option of its mode
         self.parts = self.options.micro_batches
         self.carry = CarryQueue()

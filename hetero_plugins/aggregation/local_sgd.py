@@ -25,8 +25,6 @@ import torch
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.aggregation.base import Aggregator, StepContext
-from hetero_plugins.aggregation.options import AggregationOptions
-from hetero_plugins.collectives import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -308,16 +306,9 @@ class LocalSGDAggregator(Aggregator):
 
     mode = "local_sgd"
 
-    def __init__(
-        self,
-        options: AggregationOptions,
-        comm: Collectives,
-        params: Iterable[torch.Tensor],
-        buffers: Iterable[torch.Tensor] = (),
-    ) -> None:
-        super().__init__(options, comm, params, buffers)
-        assert options.local_steps is not None  # filled per mode
-        self.schedule = LocalSGDSchedule(local_steps=options.local_steps)
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
+        assert self.options.local_steps is not None  # filled per mode
+        self.schedule = LocalSGDSchedule(local_steps=self.options.local_steps)
         self.tensors = list(self.params)
         seen = {id(t) for t in self.tensors}
         for t in buffers:

@@ -26,8 +26,7 @@ import torch
 from hetero_plugins._validation import check_float
 from hetero_plugins.aggregation.base import Aggregator, StepContext
 from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients
-from hetero_plugins.aggregation.options import AggregationOptions
-from hetero_plugins.collectives import Collectives, CompletedHandle, ReduceHandle
+from hetero_plugins.collectives import CompletedHandle, ReduceHandle
 
 __all__ = ["CompletedHandle", "DelayedExchange", "PseudoSyncAggregator", "PseudoSyncCorrector", "ReduceHandle"]
 
@@ -252,16 +251,10 @@ class PseudoSyncAggregator(Aggregator):
 
     mode = "pseudo_sync"
 
-    def __init__(
-        self,
-        options: AggregationOptions,
-        comm: Collectives,
-        params: Iterable[torch.Tensor],
-        buffers: Iterable[torch.Tensor] = (),
-    ) -> None:
-        super().__init__(options, comm, params, buffers)
-        assert options.smoothing is not None and options.min_confidence is not None  # filled per mode
-        self.corrector = PseudoSyncCorrector(smoothing=options.smoothing, min_confidence=options.min_confidence)
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
+        opts = self.options
+        assert opts.smoothing is not None and opts.min_confidence is not None  # filled per mode
+        self.corrector = PseudoSyncCorrector(smoothing=opts.smoothing, min_confidence=opts.min_confidence)
         self.delayed = DelayedExchange(self._launch)
 
     def setup(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,8 +332,8 @@ class WBSPAggregator(SampleWeightedAggregator):
 
     mode = "wbsp"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
+        super()._init_state(buffers)
         assert self.options.micro_batches is not None and self.options.claim_timeout is not None  # filled per mode
         self.parts = self.options.micro_batches
         self.claim_timeout = self.options.claim_timeout

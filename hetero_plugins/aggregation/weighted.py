@@ -17,7 +17,6 @@ import torch
 from hetero_plugins.aggregation.base import Aggregator, StepContext
 from hetero_plugins.aggregation.microbatch import MicroBatch
 from hetero_plugins.aggregation.options import AggregationOptions
-from hetero_plugins.collectives import Collectives
 
 __all__ = ["WeightedAggregator"]
 
@@ -36,14 +35,7 @@ class WeightedAggregator(Aggregator):
 
     mode = "weighted"
 
-    def __init__(
-        self,
-        options: AggregationOptions,
-        comm: Collectives,
-        params: Iterable[torch.Tensor],
-        buffers: Iterable[torch.Tensor] = (),
-    ) -> None:
-        super().__init__(options, comm, params, buffers)
+    def _init_state(self, buffers: Iterable[torch.Tensor]) -> None:
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in self.params)
 
     def micro_batches(self, batch: Any, ctx: StepContext) -> Iterator[MicroBatch]:
