@@ -374,10 +374,7 @@ class LearnedRelocator(Relocator):
         :meth:`Relocator.propose`, plus each rank's ``places`` and ``homes`` (place ids), the ``epoch`` and the
         ``restart_cost`` in seconds, which the simulator passes)."""
         n = len(devices)
-        if not (len(corunners) == len(next_corunners) == len(lines) == n) or (data is not None and len(data) != n):
-            raise ValueError(f"`devices`, `corunners`, `next_corunners`, `lines` (and `data`) need one entry per rank; "
-                             f"got lengths {len(devices)}, {len(corunners)}, {len(next_corunners)}, {len(lines)}"
-                             f"{'' if data is None else f', {len(data)}'}. HINT: pass one entry per rank in each.")
+        self.check_lengths(devices, corunners, next_corunners, lines, data)
         for name, v in (("places", places), ("homes", homes)):
             if v is not None and len(v) != n:
                 raise ValueError(f"`{name}` has {len(v)} entries for {n} ranks. HINT: give one place id per rank.")

@@ -157,6 +157,16 @@ class Relocator:
         return {d: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
                 for d, v in groups.items()}
 
+    @staticmethod
+    def check_lengths(devices: Sequence[Any], corunners: Sequence[Any], next_corunners: Sequence[Any],
+                      lines: Sequence[Any], data: Sequence[float] | None) -> None:
+        """``ValueError`` unless every per-rank argument of :meth:`propose` has one entry per rank."""
+        n = len(devices)
+        if not (len(corunners) == len(next_corunners) == len(lines) == n) or (data is not None and len(data) != n):
+            raise ValueError(f"`devices`, `corunners`, `next_corunners`, `lines` (and `data`) need one entry per rank; "
+                             f"got lengths {len(devices)}, {len(corunners)}, {len(next_corunners)}, {len(lines)}"
+                             f"{'' if data is None else f', {len(data)}'}. HINT: pass one entry per rank in each.")
+
     def propose(
         self,
         *,
@@ -189,10 +199,7 @@ class Relocator:
                 :meth:`solo_lines` of the ranks (then a device type no rank runs on is unknown).
         """
         n = len(devices)
-        if not (len(corunners) == len(next_corunners) == len(lines) == n) or (data is not None and len(data) != n):
-            raise ValueError(f"`devices`, `corunners`, `next_corunners`, `lines` (and `data`) need one entry per rank; "
-                             f"got lengths {len(devices)}, {len(corunners)}, {len(next_corunners)}, {len(lines)}"
-                             f"{'' if data is None else f', {len(data)}'}. HINT: pass one entry per rank in each.")
+        self.check_lengths(devices, corunners, next_corunners, lines, data)
         self.decisions += 1
         data_v = np.zeros(n) if data is None else np.asarray(data, dtype=np.float64)
         # A rank's own place for the next epoch: its line scaled to the co-runner placed beside it then.
