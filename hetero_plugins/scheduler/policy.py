@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -358,9 +359,9 @@ class AutoAllocator(Allocator):
         """The median slowdown ratio new / old measured in this run on ``device`` (``None``: never measured)."""
         v = self.measured.get((workload, device, old, new))
         if v:
-            return float(math.exp(np.median(v)))
+            return math.exp(statistics.median(v))  # short lists: statistics is ~20x faster than numpy here
         v = self.measured.get((workload, device, new, old))
-        return float(math.exp(-np.median(v))) if v else None
+        return math.exp(-statistics.median(v)) if v else None
 
     def _learn(self, models: Sequence[TimeModelParams], n: int, current: Sequence[int] | None) -> None:
         """Compare the previous boundary's lines with the lines measured since: the residuals of ranks that stayed
