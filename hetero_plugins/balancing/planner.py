@@ -257,6 +257,11 @@ class BalancePlanner:
         lo = tuple(min(b, lo) for b, lo in zip(plan, bounds.min_batch))
         return largest_remainder(target, self.global_batch, Bounds(lo, bounds.max_batch))
 
+    def skip_warmup(self) -> None:
+        """Treat the run's warm-up as done: for a planner taking over from an earlier one of the same run (an
+        elastic restart), whose first steps are not the run's first (``warmup_steps``)."""
+        self._observed_steps = max(self._observed_steps, self.warmup_steps)
+
     def observe(self, records: np.ndarray) -> None:
         """Feed step records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
         records = np.asarray(records, dtype=np.float64)

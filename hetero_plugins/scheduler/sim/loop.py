@@ -179,7 +179,7 @@ class _Loop:
         self.restarts += 1
         source = self.seed_models(new, e, act)
         new.memory_caps = [self.pcaps[self.where[int(r)]] for r in act]
-        new._observed_steps = new.warmup_steps
+        new.skip_warmup()
         if all(p is not None for p in new.model_params()):
             nxt = self.sim.place_corunners(e) if self.context else None
             data = self.measured_data
