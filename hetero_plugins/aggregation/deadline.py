@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hetero_plugins.aggregation.base import SampleWeightedAggregator, StepContext
-from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, take_rows
+from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, offsets_of, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +94,6 @@ class CarryQueue:
         return dropped
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
-
-
 def deadline_micro_batches(
     batch: Any,
     sizes: Sequence[int],
@@ -126,7 +119,7 @@ def deadline_micro_batches(
         [2, 4]
     """
     start = clock()
-    offsets = _offsets(sizes)
+    offsets = offsets_of(sizes)
     queue = carry.take_all()
     done, j = 0, 0
     try:

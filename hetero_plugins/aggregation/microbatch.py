@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MicroBatch", "batch_length", "micro_batch_sizes", "split_batch", "take_rows", "unit_indices"]
+__all__ = ["MicroBatch", "batch_length", "micro_batch_sizes", "offsets_of", "split_batch", "take_rows", "unit_indices"]
 
 
 def batch_length(batch: Any) -> int:
@@ -47,6 +47,20 @@ def micro_batch_sizes(samples: int, parts: int) -> list[int]:
     parts = max(1, min(int(parts), int(samples)))
     base, extra = divmod(int(samples), parts)
     return [base + (1 if i < extra else 0) for i in range(parts)] if samples > 0 else []
+
+
+def offsets_of(sizes: Sequence[int]) -> list[int]:
+    """Where each piece of ``sizes`` starts in their concatenation, and the total last.
+
+    Example::
+
+        >>> offsets_of([3, 2, 4])
+        [0, 3, 5, 9]
+    """
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
 
 
 def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:

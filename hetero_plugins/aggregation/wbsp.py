@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from hetero_plugins.aggregation.base import SampleWeightedAggregator, StepContext
-from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, take_rows, unit_indices
+from hetero_plugins.aggregation.microbatch import MicroBatch, micro_batch_sizes, offsets_of, take_rows, unit_indices
 from hetero_plugins.collectives import Collectives, open_store
 
 __all__ = ["ClaimError", "ClaimKeys", "StepClaims", "WBSPAggregator", "open_claim_store", "wbsp_micro_batches"]
@@ -163,7 +163,7 @@ class StepClaims:
             >>> claims.claim(1), claims.claim_many(0, 2), claims.tally()
             (0, range(0, 2), [1, 1, 1])
         """
-        offsets = _offsets(self.counts)
+        offsets = offsets_of(self.counts)
         out = [0] * offsets[-1]
         for owner, index in self.units:
             out[offsets[owner] + index] += 1
@@ -210,13 +210,6 @@ def open_claim_store(comm: Collectives, timeout: float) -> Any:
     return open_store(comm, bound, namespace="hetero_plugins/wbsp")
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
-
-
 def wbsp_micro_batches(
     batch: Any,
     counts: Sequence[int],
@@ -251,7 +244,7 @@ def wbsp_micro_batches(
     """
     store = claims.store
     sizes = micro_batch_sizes(counts[rank], parts)
-    offsets = _offsets(sizes)
+    offsets = offsets_of(sizes)
     rates_known = list(model_rates) if model_rates is not None else [None] * len(counts)
     planned = sum(counts)
     start = clock()
