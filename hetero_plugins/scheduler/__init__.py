@@ -3,8 +3,9 @@
 - Stage 1 (LDWP): the batch split is exact (``min_makespan_split``) under any placement;
   :class:`DQNAllocator` (``allocator="dqn"``) splits on the fitted lines corrected by stage 2 for announced
   co-runners, and the placement Q-network (``placement_policy.LearnedRelocator``) decides relocations;
-  :class:`AutoAllocator` (``allocator="auto"``) applies the correction only when the models agree and are
-  confident, else it is ``equal_finish`` (its ``guard`` gates relocations the same way). Importing this
+  :class:`AutoAllocator` (``allocator="auto"``, the default policy) corrects each changed rank by the ratio
+  the run measured, else by the NCF while its track record holds, and is ``equal_finish`` when the time models
+  are too noisy (its ``guard`` gates relocations the same way). Importing this
   package registers both (``import hetero_plugins`` does), so every ``allocator=`` option takes them by name.
 - Stage 2 (IAWP): :class:`InterferencePredictor`, a NeuMF (He et al., WWW 2017) predicting co-runner
   slowdowns; :class:`Relocator` decides when moving ranks to free slots pays for a restart
