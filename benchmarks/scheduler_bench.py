@@ -264,6 +264,26 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def transfer_curves(tr: dict[str, Any]) -> list[str]:
+    """The placement network's learning curves on the new family: fine-tuned from the shipped model against
+    trained from scratch (quality: steady throughput relative to the greedy Relocator, the network deciding
+    alone, on the family's test split; mean over seeds, with the seeds' range)."""
+    if "curves" not in tr:
+        return []
+    ft, sc = tr["curves"]["fine_tuned"], tr["curves"]["scratch"]
+
+    def cell(c: dict[str, Any], k: int) -> str:
+        q = [seed[k] for seed in c["quality"]]
+        return f"{c['samples'][k]:.0f} | {c['mean'][k]:.4f} ({min(q):.3f}-{max(q):.3f})"
+
+    out = ["", f"Transfer learning curves (family {tr['family']!r}, {len(tr['seeds'])} seeds; the shipped model before "
+               f"fine-tuning: {tr['source_quality']:.4f}):", "",
+           "| episodes | fine-tuned: samples | fine-tuned: quality (range) | scratch: samples | scratch: quality (range) |",
+           "|---|---|---|---|---|"]
+    out += [f"| {e} | {cell(ft, k)} | {cell(sc, k)} |" for k, e in enumerate(ft["episodes"])]
+    return out
+
+
 def table(res: dict[str, Any]) -> str:
     rows = res["scenarios"]
     lines = [f"Steady simulated throughput (samples/s after epoch 0, mean of {len(res['seeds'])} noise seeds) "
@@ -285,6 +305,7 @@ def table(res: dict[str, Any]) -> str:
             f"{_fmt(r.get('learned_vs_none'))} | {r['greedy_vs_none']:.3f} | "
             f"{100 * b[r['best_analytic']]:.0f}% / {100 * b['auto']:.0f}% / {100 * b['dqn']:.0f}% | "
             f"{d['auto_ncf']} / {d['auto_fallback']} / {d['auto_reloc_kept']} / {d['auto_reloc_vetoed']} |")
+    lines += transfer_curves(res["transfer"])
     lines.append(f"\nMachine: {res['machine']['processor']}, python {res['machine']['python']}; bench "
                  f"{res['bench_seconds']:.0f} s. Command: `{res['command']}`.")
     return "\n".join(lines)
