@@ -44,8 +44,8 @@ def test_cluster_context_reaches_the_learned_scheduler_and_relocation_writes_a_s
     spec = tmp_path / "restart.json"
     t = pl.Trainer(
         accelerator="cpu", devices=2,
-        # "dqn" applies the NCF to a first arrival; "auto" measures a pair before it trusts the NCF on it.
-        strategy=HeteroDDPStrategy(start_method="spawn", policy="dqn", cluster=video_arrives_on_rank_1,
+        # The default policy ("auto") applies the NCF to a first arrival while nothing contradicts it.
+        strategy=HeteroDDPStrategy(start_method="spawn", cluster=video_arrives_on_rank_1,
                                    relocation=Relocator(restart_cost=0.0), restart_spec=str(spec)),
         callbacks=[HeterogeneityEmulator([1.0, 1.0], cost_per_sample=0.005), Report(str(tmp_path))],
         max_epochs=2, limit_train_batches=12, limit_val_batches=1, logger=False, enable_checkpointing=False,
