@@ -47,7 +47,7 @@ import numpy as np
 from hetero_plugins.balancing.allocators import Bounds, get_allocator
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.measured import leave_pairs_out, load_measured_predictor, load_table
-from hetero_plugins.scheduler.placement_policy import LearnedRelocator
+from hetero_plugins.scheduler.placement_policy import LearnedRelocator, make_relocator
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
 from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, load_scenario
@@ -79,10 +79,10 @@ class Components:
         self.ncf_source = "NCF trained on the measured table"
 
     def learned(self, sc: Any) -> LearnedRelocator:
-        return LearnedRelocator(predictor=self.ncf, workload=sc.workload, restart_cost=sc.restart_cost)
+        return make_relocator("learned", sc, predictor=self.ncf)
 
     def greedy(self, sc: Any) -> Relocator:
-        return Relocator(predictor=self.ncf, workload=sc.workload, restart_cost=sc.restart_cost)
+        return make_relocator("greedy", sc, predictor=self.ncf)
 
 
 def has_churn_and_slots(spec: dict[str, Any]) -> bool:

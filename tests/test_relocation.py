@@ -329,8 +329,9 @@ def test_simulate_command_relocates_as_the_integrations_do():
     guarded = default_relocation(auto, sc, True)
     assert isinstance(guarded, GuardedRelocator) and isinstance(guarded.inner, LearnedRelocator)
     assert guarded.inner.restart_cost == sc.restart_cost and guarded.allocator is auto
-    assert type(default_relocation(DQNAllocator(), sc, True)) is LearnedRelocator
-    assert default_relocation(get_allocator("lbb"), sc, True) is True  # simulate's greedy Relocator
+    for other in (DQNAllocator(), get_allocator("lbb")):  # as in the integrations: the greedy Relocator
+        greedy = default_relocation(other, sc, True)
+        assert type(greedy) is Relocator and greedy.restart_cost == sc.restart_cost
     custom = Relocator(restart_cost=1.0)
     assert default_relocation(auto, sc, custom) is custom and default_relocation(auto, sc, None) is None
     out = compare("interference", "auto", relocation=True)

@@ -134,12 +134,10 @@ class ClusterAdvisor:
         if self._relocator is None and self.relocation is not False:
             if self.relocation is not True:
                 self._relocator = self.relocation
-            elif hasattr(self._allocator, "guard"):
-                from hetero_plugins.scheduler.placement_policy import LearnedRelocator
-
-                self._relocator = self._allocator.guard(LearnedRelocator())
             else:
-                self._relocator = Relocator()
+                from hetero_plugins.scheduler.placement_policy import default_relocator
+
+                self._relocator = default_relocator(self._allocator)
         return self._relocator
 
     def check_names(self, view: ClusterView) -> list[tuple[str, str]]:

@@ -35,17 +35,14 @@ ANALYTIC = ("static", "proportional", "equal_finish", "lbb")
 
 
 def default_relocation(alloc: Any, sc: Any, relocation: Any) -> Any:
-    """What ``relocation=True`` means for ``alloc`` in a simulated run, as in the integrations: ``auto``'s guard
-    around the learned relocator, the learned relocator alone for ``dqn``, the greedy ``Relocator`` otherwise
-    (any other ``relocation`` is returned as given)."""
+    """``relocation`` for a simulated run of ``alloc``: ``True`` becomes what it means in the integrations
+    (:func:`~hetero_plugins.scheduler.placement_policy.default_relocator`: ``auto``'s guard around the learned
+    relocator, else the greedy ``Relocator``); anything else is returned as given."""
     if relocation is not True:
         return relocation
-    from hetero_plugins.scheduler.placement_policy import LearnedRelocator
+    from hetero_plugins.scheduler.placement_policy import default_relocator
 
-    if getattr(alloc, "name", None) not in ("auto", "dqn"):
-        return True
-    learned = LearnedRelocator(workload=sc.workload, restart_cost=sc.restart_cost)
-    return alloc.guard(learned) if hasattr(alloc, "guard") else learned
+    return default_relocator(alloc, sc)
 
 
 def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed: int | None = None,

@@ -65,7 +65,7 @@ from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
 __all__ = ["DEFAULT_PLACEMENT_MODEL", "PLACEMENT_FEATURES", "RELOCATION_POLICIES", "LearnedRelocator",
-           "PlacementNetwork", "candidate_actions", "make_relocator"]
+           "PlacementNetwork", "candidate_actions", "default_relocator", "make_relocator"]
 
 DEFAULT_PLACEMENT_MODEL = "placement_v1.npz"
 
@@ -493,3 +493,12 @@ def make_relocator(name: str, scenario: Any = None, **kw: Any) -> Relocator | No
     if scenario is not None:
         kw = {"workload": scenario.workload, "restart_cost": scenario.restart_cost, **kw}
     return Relocator(**kw) if name == "greedy" else LearnedRelocator(**kw)
+
+
+def default_relocator(allocator: Any, scenario: Any = None) -> Any:
+    """What ``relocation=True`` means beside ``allocator``, in the integrations and in ``hetero-plugins simulate
+    --relocate``: with an allocator that guards relocations (``auto``), its guard around the learned relocator;
+    with any other, the greedy :class:`~hetero_plugins.scheduler.relocation.Relocator` (``scenario``: as for
+    :func:`make_relocator`)."""
+    guard = getattr(allocator, "guard", None)
+    return make_relocator("greedy", scenario) if guard is None else guard(make_relocator("learned", scenario))
