@@ -400,6 +400,21 @@ class AutoAllocator(Allocator):
         self._after_move = [int(r) for r in ranks]
 
     # ---------------------------------------------------------------- the gate
+    def _noise_reason(self) -> str:
+        """Why the time models are too noisy to correct anything (``""``: they are not)."""
+        sigma = self.noise()
+        if sigma is not None and sigma > self.max_noise:
+            return f"time models' residual spread {100 * sigma:.1f}% > max_noise {100 * self.max_noise:.0f}%"
+        return ""
+
+    def _record_reason(self) -> str:
+        """Why the NCF's track record in this run disqualifies it (``""``: too short to judge, or good)."""
+        err = self.ncf_error()
+        if err is not None and err > self.max_ncf_error:
+            return (f"NCF median error {100 * err:.0f}% on {len(self.ncf_errors)} measured changes > "
+                    f"max_ncf_error {100 * self.max_ncf_error:.0f}%")
+        return ""
+
     def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray) -> str:
         """Sets each changed rank's correction in ``factors`` (the ensemble, rank by rank) and returns ``""``, or
         the reason the whole decision falls back to ``equal_finish``.
@@ -410,11 +425,10 @@ class AutoAllocator(Allocator):
         unchecked prediction; else the rank stays as ``equal_finish`` sees it (``partial=False``: the whole
         decision falls back)."""
         workload, devices, old, new = ctx
-        sigma = self.noise()
-        if sigma is not None and sigma > self.max_noise:
-            return f"time models' residual spread {100 * sigma:.1f}% > max_noise {100 * self.max_noise:.0f}%"
-        err = self.ncf_error()
-        ncf_bad = err is not None and err > self.max_ncf_error
+        noisy = self._noise_reason()
+        if noisy:
+            return noisy
+        record = self._record_reason()  # "": the NCF's track record holds
         tol = math.log1p(self.agreement)
         left: list[str] = []  # why changed ranks were left uncorrected
         for i in range(len(devices)):
@@ -433,18 +447,14 @@ class AutoAllocator(Allocator):
                 continue
             if q == 1.0:
                 continue  # no NCF prediction for this change
-            why = ""
-            if ncf_bad:
-                why = (f"NCF median error {100 * err:.0f}% on {len(self.ncf_errors)} measured changes > "
-                       f"max_ncf_error {100 * self.max_ncf_error:.0f}%")
-            elif self.reference is not None:
+            why, checked = record, False
+            if not why and self.reference is not None:
                 r0, r1 = self.reference.slowdown(workload, d, c0), self.reference.slowdown(workload, d, c1)
-                if r0 is not None and r1 is not None and r0 > 0 and abs(math.log(q * r0 / r1)) > tol:
+                checked = r0 is not None and r1 is not None and r0 > 0
+                if checked and abs(math.log(q * r0 / r1)) > tol:
                     why = (f"NCF ratio {q:.2f} disagrees with the reference predictor's {r1 / r0:.2f} on rank {i} "
                            f"({d}, {c0} -> {c1})")
-                elif (r0 is None or r1 is None or r0 <= 0) and not self.trust_unverified:
-                    why = f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
-            elif not self.trust_unverified:
+            if not why and not checked and not self.trust_unverified:
                 why = f"rank {i} ({d}, {c0} -> {c1}) is unverified and trust_unverified=False"
             if why:
                 factors[i] = 1.0  # left as equal_finish sees it
@@ -504,12 +514,9 @@ class AutoAllocator(Allocator):
     def trusted(self) -> str:
         """``""`` when relocations may go ahead, else why not (the NCF's record, the residuals, the last decision).
         Before any residual is measured (the first boundary) the guard asks for a larger predicted gain instead."""
-        err = self.ncf_error()
-        if err is not None and err > self.max_ncf_error:
-            return f"NCF median error {100 * err:.0f}% > max_ncf_error"
-        sigma = self.noise()
-        if sigma is not None and sigma > self.max_noise:
-            return f"time models' residual spread {100 * sigma:.1f}% > max_noise"
+        why = self._record_reason() or self._noise_reason()
+        if why:
+            return why
         if self.last_choice == "equal_finish" and "disagrees" in self.last_reason:  # with the reference predictor
             return self.last_reason
         return ""
