@@ -264,6 +264,12 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def targets_table(res: dict[str, Any]) -> list[str]:
+    """The Markdown lines of the targets' table (docs and README)."""
+    return ["| target | goal | figures | verdict |", "|---|---|---|---|",
+            *(f"| {t['target']} | {t['goal']} | {t['figures']} | {_mark(t['ok'])} |" for t in res["targets"])]
+
+
 def transfer_curves(tr: dict[str, Any]) -> list[str]:
     """The placement network's learning curves on the new family: fine-tuned from the shipped model against
     trained from scratch (quality: steady throughput relative to the greedy Relocator, the network deciding
@@ -288,10 +294,7 @@ def table(res: dict[str, Any]) -> str:
     rows = res["scenarios"]
     lines = [f"Steady simulated throughput (samples/s after epoch 0, mean of {len(res['seeds'])} noise seeds) "
              f"relative to the best analytic allocator of the same scenario; {res['scenario_note']}; "
-             f"{res['ncf_source']}.",
-             "", "| target | goal | figures | verdict |", "|---|---|---|---|"]
-    for t in res["targets"]:
-        lines.append(f"| {t['target']} | {t['goal']} | {t['figures']} | {_mark(t['ok'])} |")
+             f"{res['ncf_source']}.", "", *targets_table(res)]
     lines += ["", "| scenario | split | ranks | churn + slots | best analytic | auto | auto (split only) | dqn | "
               "learned / none | greedy / none | busy: best analytic / auto / dqn | auto NCF used / fell back / "
               "relocations kept / vetoed |", "|---" * 12 + "|"]
@@ -313,8 +316,7 @@ def table(res: dict[str, Any]) -> str:
 
 def summary(res: dict[str, Any]) -> str:
     """The targets table alone (for the README)."""
-    lines = ["| target | goal | figures | verdict |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['goal']} | {t['figures']} | {_mark(t['ok'])} |" for t in res["targets"]]
+    lines = targets_table(res)
     lines.append(f"\nMean of {len(res['seeds'])} noise seeds; {res['scenario_note']}; {res['ncf_source']}. Measured "
                  f"with `{res['command']}` ({res['bench_seconds']:.0f} s, {res['machine']['processor']}).")
     return "\n".join(lines)
