@@ -233,3 +233,29 @@ def test_a_short_epoch_that_deviates_throughout_counts_for_the_next_plan():
     bank.observe(np.array([[64.0] * 20]), np.array([[0.069] * 17 + [0.2] * 3]))
     bank.settle()  # a run of three at the end of a 20-step epoch may be a stall: it stays held back
     assert twenty.change_points == 0 and twenty.predict(64) == pytest.approx(0.069)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_line_fitted_across_a_slow_ramp_does_not_replace_the_fixed_cost(seed):
+    # The fixed cost (5 ms, kappa ~ 8 samples) is learned at 64 and 123 samples. A ramping background load then
+    # makes the rank slower step after step while the plan cuts its batch: the smaller batch is measured about
+    # as slow as the larger one was a moment before. A line through those two levels says the step time
+    # hardly depends on the batch (kappa in the thousands), and a planner trusting it stops cutting the rank's
+    # batch while the rank slows further (seen in the simulator). That fit's precision is nil (its ends lie
+    # within noise of each other): it must not replace the fixed cost learned before the ramp.
+    rng = np.random.default_rng(seed)
+    noise = lambda: float(np.exp(rng.normal(0, 0.05)))  # noqa: E731
+    m = LinearTimeModel()
+    for b in (64, 123):
+        for _ in range(20):
+            m.observe(b, true_time(b) * noise())
+    kappa_before = m.params().intercept / m.params().slope
+    assert 0 < kappa_before < 40
+    for _ in range(8):  # the ramp starts: 1.5x slower at 123 samples (a change point inside the fitted range)
+        m.observe(123, true_time(123, 1.5) * noise())
+    for _ in range(8):  # the plan cuts the batch to 100; the ramp has gone on to about 1.8x
+        m.observe(100, true_time(123, 1.5) * 0.99 * noise())
+    p = m.params()
+    assert p.intercept / p.slope < 3 * max(kappa_before, 8.0)
+    # so cutting the batch is still predicted to help
+    assert m.predict(50) < 0.7 * m.predict(100)

@@ -95,3 +95,45 @@ def test_models_are_views_and_a_new_list_is_copied_in():
     assert p.model_params()[0] == before[2] and not p.model_params().known[1]
     with pytest.raises(ValueError, match="3 time models"):
         p.models = keep[:2]
+
+
+def data_epochs(planner, data, epochs=4, steps=10, rng=None):
+    """Two equally fast ranks; rank r waits ``data[r]`` seconds for each batch. Returns the step times."""
+    times = []
+    for epoch in range(epochs):
+        rec = fake_epoch(planner.plan, [1.0, 1.0], steps=steps, rng=rng)
+        rec[:, :, 2] = np.asarray(data, dtype=np.float64)[:, None]
+        times.append(float(np.max(rec[:, :, 1] + rec[:, :, 2], axis=0).mean()))
+        planner.end_epoch(epoch, rec, epoch_time=times[-1] * steps)
+    return times
+
+
+def test_a_rank_that_waits_for_data_gets_fewer_samples():
+    # A step ends when the slowest rank has loaded its batch and computed on it: rank 1 waits 40 ms for each
+    # batch, so with equal compute speeds the shortest step gives it 20 samples fewer (1 ms per sample).
+    p = BalancePlanner(2, 128)
+    times = data_epochs(p, [0.0, 0.04], rng=np.random.default_rng(0))
+    assert p.plan[0] - p.plan[1] == pytest.approx(40, abs=3), p.plan
+    assert p.data_time == pytest.approx([0.0, 0.04])
+    assert times[-1] < 0.93 * times[0]  # 0.106 s -> ~0.086 s
+    lines = p.decision_lines()
+    assert lines.intercept[1] - lines.intercept[0] == pytest.approx(0.04, rel=0.05)
+    assert p.model_params().intercept[1] < 0.01  # the fitted line stays compute-only (true: 2 ms)
+    # Without counting it, the split is on compute alone: equal.
+    q = BalancePlanner(2, 128, count_data_time=False)
+    data_epochs(q, [0.0, 0.04], rng=np.random.default_rng(0))
+    assert abs(q.plan[0] - q.plan[1]) <= 2, q.plan
+
+
+def test_data_time_is_checkpointed_seeded_and_checked():
+    p = BalancePlanner(2, 128)
+    data_epochs(p, [0.0, 0.04], epochs=2)
+    q = BalancePlanner(2, 128)
+    q.load_state_dict(p.state_dict())
+    assert q.data_time == pytest.approx(p.data_time) and q.plan == p.plan
+    q.seed_model(1, (0.002, 0.001), data_time=0.0)  # relocated where its input waits no longer
+    assert q.data_time == pytest.approx([0.0, 0.0])
+    with pytest.raises(ValueError, match=r"`data_time` must hold 2 .*HINT"):
+        q.data_time = [0.1]
+    with pytest.raises(ValueError, match="data_time"):
+        q.seed_model(0, (0.002, 0.001), data_time=-1.0)

@@ -156,6 +156,17 @@ def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     assert guarded.propose(**kw).moves == [] and "2 moved ranks erred by 73%" in guarded.last_reason
     strict = AutoAllocator().guard(Relocator(restart_cost=0.0), min_gain=0.2)  # 12% is not worth the risk
     assert strict.propose(**small).moves == [] and strict.last_reason == "predicted gain 12.1% < min_gain 20%"
-    # The defaults leave the gain's size to the relocator; the models are still checked.
+    # The defaults ask a 5% gain above one spread (8% before any residual) that pays one restart back.
     default = AutoAllocator().guard(Relocator(restart_cost=0.0))
     assert default.propose(**small).moves == [(1, 0)] and default.kept == 1
+    tiny = dict(small, lines=[(0.005, 0.0005), (0.006, 0.00058)])  # 4% predicted
+    assert Relocator(restart_cost=0.0, min_gain=0.0).propose(**tiny).moves == [(1, 0)]
+    assert AutoAllocator().guard(Relocator(restart_cost=0.0, min_gain=0.0)).propose(**tiny).moves == []
+    # A restart worth four epochs of the saving: a relocator counting five epochs moves; the guard, which
+    # wants it paid back within three, does not.
+    d = Relocator(restart_cost=0.0).propose(**small)
+    cost = 4 * 20 * (d.current_step_time - d.step_time)
+    far = Relocator(restart_cost=cost, horizon_epochs=5)
+    assert far.propose(**small).moves == [(1, 0)]
+    guarded_far = AutoAllocator().guard(far)
+    assert guarded_far.propose(**small).moves == [] and "payback" in guarded_far.last_reason

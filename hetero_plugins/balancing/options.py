@@ -101,6 +101,9 @@ class BalancingOptions:
             noise does not make plans flap (AdaptDL's speed-up threshold; LBB's hysteresis).
         half_life: forgetting of the per-rank time models, in observed steps.
         warmup_steps: first observed steps of the run that the time models ignore (lazy initialisation).
+        count_data_time: count each rank's measured wait for its next batch (data loading) in its predicted step
+            time, so that a rank whose input pipeline stalls it gets fewer samples; ``False`` splits on compute
+            time alone.
         locality: keep each rank's shard of the data across epochs and plan changes (LOFT); by default every
             step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: give validation/test/predict loaders per-rank batch sizes too (Lightning strategies).
@@ -154,6 +157,7 @@ class BalancingOptions:
     min_gain: float = 0.03
     half_life: float = 6.0
     warmup_steps: int = 1
+    count_data_time: bool = True
     locality: bool = False
     balance_eval: bool = True
     replan_every: int | None = 5
@@ -177,6 +181,7 @@ class BalancingOptions:
         )
         self._set("min_gain", float(self.min_gain))
         self._set("half_life", float(self.half_life))
+        check_bool("count_data_time", self.count_data_time, hint="False splits on compute time alone")
         self._set("locality", _flag("locality", self.locality, "True keeps each rank's shard across epochs (LOFT)"))
         self._set("balance_eval", _flag("balance_eval", self.balance_eval,
                                         "False leaves validation/test/predict batches equal"))
@@ -269,4 +274,5 @@ class BalancingOptions:
             allocator=self.allocator if allocator is None else allocator,
             min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size, min_gain=self.min_gain,
             half_life=self.half_life, warmup_steps=self.warmup_steps, initial_plan=plan,
+            count_data_time=self.count_data_time,
         )

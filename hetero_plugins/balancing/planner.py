@@ -72,6 +72,10 @@ class BalancePlanner:
             takes are placed where the fitted lines predict the shortest step.
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
+        count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
+            the wait for its next batch, median over the last observed steps) to its predicted step time, so
+            that a rank whose input pipeline stalls it gets fewer samples (``False``: split on compute alone).
+            The fitted lines (:meth:`model_params`) stay compute-only; :meth:`decision_lines` adds the data.
 
     Example::
 
@@ -97,6 +101,7 @@ class BalancePlanner:
         initial_plan: Sequence[int] | None = None,
         max_change_factor: float | None = 8.0,
         noise_margin: float = 1.0,
+        count_data_time: bool = True,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -115,6 +120,8 @@ class BalancePlanner:
         self.max_change_factor = max_change_factor
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0,
                                         hint="e.g. 1.0 (one standard error), or 0 to compare point predictions")
+        self.count_data_time = bool(count_data_time)
+        self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
         self._models = ModelList(self._bank)
         self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
@@ -174,37 +181,64 @@ class BalancePlanner:
     def predicted_step_time(self, value: float | None) -> None:
         self._predicted_step_time = None if value is None else float(value)
 
-    def seed_model(self, rank: int, line: Sequence[float], batch_size: int | None = None) -> None:
+    def seed_model(self, rank: int, line: Sequence[float], batch_size: int | None = None,
+                   data_time: float | None = None) -> None:
         """Start ``rank``'s time model from a predicted ``(intercept, slope)`` line: a rank with no history (a
         new node, a relocated rank). Measured steps replace the prediction (see
         :meth:`~hetero_plugins.balancing.time_model.LinearTimeModel.from_params`; ``batch_size`` defaults to the rank's
-        current batch)."""
+        current batch; ``data_time``: its data-loading seconds per step there, if known)."""
         size = self.plan[rank] if batch_size is None else batch_size
+        if data_time is not None:
+            self._data[rank] = check_float("data_time", data_time, minimum=0.0)
         opts = {k: v for k, v in self._bank.options().items() if k != "groups"}
         self.models[rank] = LinearTimeModel.from_params(TimeModelParams(*(float(x) for x in line)), max(1, int(size)),
                                                         half_life=self.models[rank].half_life, **opts)
 
     def model_params(self) -> TimeModelLines:
-        """Every rank's fitted line: a sequence of :class:`TimeModelParams` (``None`` where a rank has no model
-        yet) backed by arrays."""
+        """Every rank's fitted line of compute seconds: a sequence of :class:`TimeModelParams` (``None`` where a
+        rank has no model yet) backed by arrays."""
         return self._bank.lines()
 
+    @property
+    def data_time(self) -> list[float]:
+        """Each rank's data-loading seconds per step as the planner counts it (0 before any is measured)."""
+        return self._data.tolist()
+
+    @data_time.setter
+    def data_time(self, value: Sequence[float]) -> None:
+        v = np.asarray(value, dtype=np.float64)
+        if v.shape != (self.world_size,) or not np.all(np.isfinite(v)) or np.any(v < 0):
+            raise ValueError(f"`data_time` must hold {self.world_size} finite seconds >= 0 (one per rank), got "
+                             f"{list(value)}. HINT: pass the measured data-loading seconds per step of each rank.")
+        self._data = v
+
+    def decision_lines(self) -> TimeModelLines:
+        """The lines the plan is decided on: :meth:`model_params` with each rank's data-loading seconds per step
+        added to its intercept (``count_data_time``); a step takes ``max_i (data_i + compute_i)`` before the
+        all-reduce."""
+        lines = self._bank.lines()
+        if not self.count_data_time or not self._data.any():
+            return lines
+        return TimeModelLines(lines.intercept + self._data, lines.slope, lines.known)
+
     def predict_step_time(self, plan: Sequence[int], shift: np.ndarray | float = 0.0) -> float:
-        """Predicted makespan (slowest rank's compute seconds) of one step under ``plan``; nan if unknown.
+        """Predicted makespan (slowest rank's compute plus data-loading seconds, :meth:`decision_lines`) of one
+        step under ``plan``; nan if unknown.
 
         An allocator that predicts step times itself (``allocator.predict_makespan(models, plan)``, e.g. the
         learned ones, whose lines include co-runner changes known at the epoch boundary) is asked instead, so
         the damping gate does not veto a plan decided on what the fitted lines do not know yet.
 
         ``shift`` scales each rank's predicted time by ``1 + shift`` (the damping gate's pessimistic
-        comparison; a scalar for an allocator's own prediction).
+        comparison; an allocator's own prediction is asked on the lines scaled so).
         """
-        params = self.model_params()
+        params = self.decision_lines()
         if not params.known.all():
             return float("nan")
         predict = getattr(self.allocator, "predict_makespan", None)
         if predict is not None:
-            return float(predict(params, plan)) * (1.0 + float(np.max(shift)))
+            scale = np.broadcast_to(1.0 + np.asarray(shift, dtype=np.float64), params.intercept.shape)
+            return float(predict(TimeModelLines(params.intercept * scale, params.slope * scale, params.known), plan))
         t = params.intercept + params.slope * np.asarray(plan, dtype=np.float64)
         return float(np.max(t * (1.0 + shift)))
 
@@ -270,6 +304,14 @@ class BalancePlanner:
         skip = max(0, self.warmup_steps - self._observed_steps)
         if records.shape[1] > skip:
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
+            if records.shape[2] >= 3:
+                b, d = records[:, skip:, 0], records[:, skip:, 2]
+                ok = (b > 0) & np.isfinite(d) & (d >= 0)
+                seen = ok.any(axis=1)
+                if seen.any():
+                    rows = np.where(ok, d, np.nan)[seen]
+                    med = _row_medians(rows) if ok[seen].all() else np.nanmedian(rows, axis=1)
+                    self._data[seen] = med
         self._observed_steps += records.shape[1]
 
     def replan(self, records: np.ndarray | None = None) -> dict[str, Any]:
@@ -362,7 +404,7 @@ class BalancePlanner:
             return proposal
         q = np.clip(p, lo, hi)
         missing = self.global_batch - int(q.sum())
-        lines = self.model_params()
+        lines = self.decision_lines()
         if lines.known.all() and np.all(lines.slope > 0) and np.all(np.isfinite(lines.intercept)):
             low, high = (q, hi) if missing >= 0 else (lo, q)
             return min_makespan_split(lines.intercept, lines.slope, self.global_batch, low, high).tolist()
@@ -385,7 +427,7 @@ class BalancePlanner:
         self._bank.settle()  # a change that began in the last few steps counts for this decision
         bounds = self.bounds
         current = list(self.plan)
-        proposal = self.allocator.allocate(self.model_params(), self.global_batch, bounds, current=current)
+        proposal = self.allocator.allocate(self.decision_lines(), self.global_batch, bounds, current=current)
         proposal = self._damp([int(b) for b in proposal], self._trust_bounds(bounds, current))
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
         cur = np.asarray(current)
@@ -416,6 +458,7 @@ class BalancePlanner:
             "history": list(self.history),
             "predicted_step_time": self._predicted_step_time,
             "observed_steps": self._observed_steps,
+            "data_time": self._data.tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any], resize: bool = False) -> None:
@@ -444,6 +487,8 @@ class BalancePlanner:
         if "change_factor" in state and not resized:  # a resized run starts its damping afresh
             self._factor = np.asarray(state["change_factor"], dtype=np.float64)
             self._last_move = np.asarray(state["last_move"], dtype=np.int64)
+        data = list(state.get("data_time", []))[:kept]
+        self._data[: len(data)] = data
         self.history = list(state["history"])
         self._observed_steps = int(state.get("observed_steps", self.warmup_steps))
         if not resized:

@@ -304,12 +304,13 @@ class TimeModelBank:
         # kappa stays for the prediction (a slowdown scales a fixed cost and a per-sample cost alike) when the
         # change was found between the batch sizes it was fitted on, where its error is small; found outside,
         # the deviation may be kappa's own error (a line fitted across a change that a plan change hid), so it
-        # goes. The new regime's first line replaces a kept kappa at once; until then the change test does not
-        # lean on it.
+        # goes. A kept kappa keeps its precision: the new regime's lines pool with it, so that a line fitted
+        # across a slow ramp (a small batch measured as slow as a large one) cannot replace it alone. Until the
+        # new regime's first line the change test does not lean on it.
         with np.errstate(invalid="ignore"):
             inside = np.all(~valid | ((pb >= self._kbmin[rows][:, None]) & (pb <= self._kbmax[rows][:, None])), axis=1)
         self._kappa[rows[~inside]] = np.nan
-        self._kprec[rows] = 0.0
+        self._kprec[rows[~inside]] = 0.0
         self._klo[rows], self._khi[rows] = np.nan, np.nan
         age = m[:, None] - 1 - np.arange(pb.shape[1])[None, :]
         age_w = np.where(valid, np.power(self._lam[rows][:, None], np.maximum(age, 0)), 0.0)
@@ -373,8 +374,10 @@ class TimeModelBank:
             lam = np.power(0.5, (self._seen[r] - self._ktick[r]) / self.half_life[r])
             old_prec = np.where(np.isnan(self._kappa[r]), 0.0, self._kprec[r] * lam)
             total = old_prec + prec
+            # A fit without precision (its ends within noise of each other) replaces no kappa.
+            kept = np.where(np.isnan(self._kappa[r]), k_fit, self._kappa[r])
             pooled = np.where(total > 0, (np.nan_to_num(self._kappa[r]) * old_prec + k_fit * prec) / np.where(
-                total > 0, total, 1.0), k_fit)
+                total > 0, total, 1.0), kept)
             self._kappa[r], self._kprec[r], self._ktick[r] = pooled, total, self._seen[r]
             fresh = old_prec <= 0
             self._kbmin[r] = np.where(fresh, b1, np.minimum(self._kbmin[r], b1))

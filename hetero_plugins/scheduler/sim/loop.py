@@ -179,6 +179,8 @@ class _Loop:
         self.restarts += 1
         source = self.seed_models(new, e, act)
         new.memory_caps = [self.pcaps[self.where[int(r)]] for r in act]
+        new.data_time = [self.measured_data.get(int(r), self.measured_data.get(q, 0.0) if q is not None else 0.0)
+                         for r, q in zip(act, source)]
         new.skip_warmup()
         if all(p is not None for p in new.model_params()):
             nxt = self.sim.place_corunners(e) if self.context else None
@@ -260,7 +262,7 @@ class _Loop:
             for i, k in decision.moves:
                 r, p = int(act[i]), free[k]
                 self.where[r] = p
-                planner.seed_model(i, decision.lines[i])
+                planner.seed_model(i, decision.lines[i], data_time=float(d_p[p]))
                 self.measured_co[r] = co_next[p]
             here = np.array([self.where[int(r)] for r in act], dtype=np.int64)
             planner.memory_caps = [self.pcaps[p] for p in here]
