@@ -76,6 +76,35 @@ class IndexedDigitsMLP(DigitsMLP):
         return DataLoader(TensorDataset(x, y, torch.arange(len(y))), batch_size=self.hparams.batch_size, shuffle=True)
 
 
+class SlowCollate:
+    """Collates a batch and, on global rank ``rank``, first waits ``seconds``: an input pipeline that stalls
+    one rank (picklable for ``spawn``)."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def __call__(self, items: list[Any]) -> Any:
+        import time
+
+        from torch.utils.data import default_collate
+
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == self.rank:
+            time.sleep(self.seconds)
+        return default_collate(items)
+
+
+class SlowInputDigitsMLP(DigitsMLP):
+    """:class:`DigitsMLP` whose training batches reach global rank 1 ``wait`` seconds late."""
+
+    def __init__(self, wait: float = 0.03, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.wait = wait
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(digits_datasets(dtype=torch.float64)[0], batch_size=self.hparams.batch_size, shuffle=True,
+                          collate_fn=SlowCollate(1, self.wait))
+
+
 class Report(Callback):
     """Every rank writes what it saw: its plan, its history, its batch sizes per epoch, the hook's calls."""
 

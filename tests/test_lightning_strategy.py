@@ -99,6 +99,22 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
     assert {rep["plan_history"][-1]["next_batch_sizes"][rep["rank"]] for rep in reports} != {16}
 
 
+def test_a_rank_waiting_for_its_batches_gets_fewer_samples(tmp_path):
+    # Equal compute speeds (2 ms per sample), but rank 1's input pipeline makes it wait 30 ms for every batch:
+    # a step ends when both have loaded and computed, so the shortest step gives rank 1 about 8 of 32 samples
+    # (0.002 b0 = 0.03 + 0.002 b1). Split on compute time alone, it would keep 16.
+    from tests.lightning_jobs import SlowInputDigitsMLP
+
+    pl.seed_everything(0)
+    t = trainer(tmp_path, HeteroDDPStrategy(start_method="spawn"),
+                [HeterogeneityEmulator([1.0, 1.0], cost_per_sample=0.002)], max_epochs=2, limit_train_batches=20)
+    t.fit(SlowInputDigitsMLP(wait=0.03, batch_size=16))
+    hist = read_reports(str(tmp_path), 2)[0]["plan_history"]
+    assert hist[0]["batch_sizes"] == [16, 16]
+    final = hist[-1]["next_batch_sizes"]
+    assert sum(final) == 32 and final[1] <= 12, final
+
+
 def test_callback_beside_stock_ddp(tmp_path):
     pl.seed_everything(0)
     balancer = BatchBalancer(allocator="lbb")
