@@ -69,8 +69,10 @@ def follow_slots(planner: BalancePlanner, before: Sequence[str], hosts: Sequence
     """Give rank i the time model of slot ``hosts[i]`` (from ``before``, rank order of the last boundary); a
     slot without one starts fresh, from its host's ``predicted`` line if there is one."""
     old = dict(zip(before, planner.models))
+    waits = dict(zip(before, planner.data_time))  # a slot's wait for data follows it too (0 for a new one)
     fresh = [LinearTimeModel(half_life=m.half_life) for m in planner.models]
     planner.models = [old.get(key, fresh[i]) for i, key in enumerate(hosts)]
+    planner.data_time = [waits.get(key, 0.0) for key in hosts]
     for i, key in enumerate(hosts):
         line = None if key in old else predicted.get(key.rsplit("[", 1)[0])
         if line:

@@ -153,3 +153,20 @@ def test_elastic_relocation_moves_the_slow_worker_to_the_idle_host(horovodrun, t
     assert any(d["host"] == slow and d["plan"][d["rank"]] <= 12 for d in steps)
     after = [d["plan"][d["rank"]] for d in steps if d["host"] == free]
     assert after and all(abs(b - 16) <= 3 for b in after), after
+
+
+def test_after_a_reset_each_slot_keeps_its_time_model_and_its_wait_for_data():
+    # Rank order changes at an elastic reset: slot b[0] (2.5 ms per sample, waiting 10 ms per batch) becomes
+    # rank 0, slot a[0] is gone and c[0] is new (its line predicted by the restart spec, no wait measured yet).
+    from hetero_plugins.balancing.planner import BalancePlanner
+    from hetero_plugins.horovod.elastic import follow_slots
+
+    p = BalancePlanner(2, 32)
+    rec = np.zeros((2, 5, 3))
+    rec[:, :, 0], rec[0, :, 1], rec[1, :, 1], rec[1, :, 2] = 16, 0.02, 0.04, 0.01
+    p.observe(rec)
+    assert p.data_time == pytest.approx([0.0, 0.01])
+    follow_slots(p, ["a[0]", "b[0]"], ["b[0]", "c[0]"], {"c": (0.001, 0.001)})
+    assert p.data_time == pytest.approx([0.01, 0.0])
+    assert p.models[0].params().slope == pytest.approx(0.0025)
+    assert p.models[1].params().slope == pytest.approx(0.001)
