@@ -59,6 +59,7 @@ from hetero_plugins.callbacks._relocation import (
 )
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
 from hetero_plugins.cluster import resolve_cluster_source
+from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
 from hetero_plugins.telemetry import (
     EPOCH_STATS,
@@ -246,6 +247,7 @@ class BatchBalancer(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        release_process_group_at_exit()
         if self._advisor is not None:
             comm = StrategyCollectives(trainer.strategy)
             start_advisor(self._advisor, comm, trainer.current_epoch, trainer.world_size)

@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.lr_scaling import LRScaler
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class LRAdapter(Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        release_process_group_at_exit()
         for opt in trainer.optimizers:
             self._hooks.append(self.scaler.restore_after_step(opt))
 

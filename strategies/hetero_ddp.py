@@ -18,12 +18,10 @@ constant.
 
 from __future__ import annotations
 
-import atexit
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -33,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
-from hetero_plugins.collectives import TorchCollectives
+from hetero_plugins.collectives import TorchCollectives, release_process_group_at_exit
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
 
@@ -106,9 +104,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         # Release the process group before the interpreter's own teardown: left to static destructors, gloo's
         # threads occasionally abort a spawned worker at exit ("terminate called without an active exception")
         # after training has finished.
-        if not _EXIT_HOOK[0]:
-            atexit.register(_destroy_process_group)
-            _EXIT_HOOK[0] = True
+        release_process_group_at_exit()
 
     def _place_relocated_rank(self) -> None:
         """After a relocation restart, run this rank on the accelerator ``index`` its slot names (same host)."""
@@ -174,14 +170,3 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
                 start_method=start_method,
                 override=True,
             )
-
-
-_EXIT_HOOK = [False]
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
-            pass

@@ -27,6 +27,7 @@ reasoning of PyTorch's ``TORCH_NCCL_DUMP_ON_TIMEOUT`` and Horovod's stall inspec
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -57,6 +58,7 @@ __all__ = [
     "open_tcp_store",
     "probe_silent",
     "probe_window",
+    "release_process_group_at_exit",
 ]
 
 T = TypeVar("T")
@@ -224,6 +226,30 @@ class Collectives(Protocol):
         """An address of rank 0's host that every rank can reach, for a key-value store rank 0 serves. Some
         transports learn it collectively, so every rank calls it."""
         ...
+
+
+_EXIT_HOOK = [False]
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+def release_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (registered once per process).
+
+    Left to static destructors, gloo's threads occasionally abort a worker at exit ("terminate called without an
+    active exception", SIGABRT) after training has finished, and ``ddp_spawn`` then reports the run as failed.
+    The strategies call this when they set up; the callbacks too, for the stock ``"ddp"`` / ``"ddp_spawn"``."""
+    if not _EXIT_HOOK[0]:
+        atexit.register(_destroy_process_group)
+        _EXIT_HOOK[0] = True
 
 
 class TorchCollectives:
