@@ -15,6 +15,17 @@ def true_time(b, factor=1.0):
     return factor * (A + S * b)
 
 
+def solo_model(seed):
+    """A model measured solo at 64 and 123 samples (20 steps each) under 5% noise, and that noise's source."""
+    rng = np.random.default_rng(seed)
+    noise = lambda: float(np.exp(rng.normal(0, 0.05)))  # noqa: E731
+    m = LinearTimeModel()
+    for b in (64, 123):
+        for _ in range(20):
+            m.observe(b, true_time(b) * noise())
+    return m, noise
+
+
 def max_rel_error(model, factor, sizes=(48, 64, 90, 123, 300, 512)):
     # From half the smallest batch seen to 4x the largest: below, a fixed cost of 5 ms learned under 5%
     # noise from batches of 64 and 123 is too uncertain for 10% (in any estimator).
@@ -26,12 +37,7 @@ def test_a_slowdown_at_a_new_batch_size_converges_within_five_steps(seed):
     # Measured solo at the equal split and at b=123, then the plan moves the rank to b=90 at the same
     # boundary at which a co-runner makes it 1.3x slower. Fitting one line through both regimes predicted
     # t(300) = 0.09 s against a true 0.24 s.
-    rng = np.random.default_rng(seed)
-    noise = lambda: float(np.exp(rng.normal(0, 0.05)))  # noqa: E731
-    m = LinearTimeModel()
-    for b in (64, 123):
-        for _ in range(20):
-            m.observe(b, true_time(b) * noise())
+    m, noise = solo_model(seed)
     assert max_rel_error(m, 1.0) < 0.1
     errors = []
     for _ in range(5):
@@ -243,12 +249,7 @@ def test_a_line_fitted_across_a_slow_ramp_does_not_replace_the_fixed_cost(seed):
     # hardly depends on the batch (kappa in the thousands), and a planner trusting it stops cutting the rank's
     # batch while the rank slows further (seen in the simulator). That fit's precision is nil (its ends lie
     # within noise of each other): it must not replace the fixed cost learned before the ramp.
-    rng = np.random.default_rng(seed)
-    noise = lambda: float(np.exp(rng.normal(0, 0.05)))  # noqa: E731
-    m = LinearTimeModel()
-    for b in (64, 123):
-        for _ in range(20):
-            m.observe(b, true_time(b) * noise())
+    m, noise = solo_model(seed)
     kappa_before = m.params().intercept / m.params().slope
     assert 0 < kappa_before < 40
     for _ in range(8):  # the ramp starts: 1.5x slower at 123 samples (a change point inside the fitted range)

@@ -51,7 +51,8 @@ class ClusterAdvisor:
         self.source = source
         self.relocation = self.check_relocation(relocation)
         self.placement: ClusterView | None = None
-        self._relocator: Any = None
+        # A given relocator decides from the start; ``True`` builds the default at the first decision.
+        self._relocator: Any = None if isinstance(self.relocation, bool) else self.relocation
         self._allocator: Any = None  # the allocator of the last decision (auto guards the relocator)
         self._names: Any = None  # a default Relocator, for its vocabulary only
         self._last_moves: list[tuple[int, int]] | None = None
@@ -131,13 +132,10 @@ class ClusterAdvisor:
     def _get_relocator(self) -> Any:
         """The relocator deciding the moves (``None`` with ``relocation=False``); with ``relocation=True``, built at
         the first decision: ``auto``'s guard around the learned relocator, or the greedy ``Relocator``."""
-        if self._relocator is None and self.relocation is not False:
-            if self.relocation is not True:
-                self._relocator = self.relocation
-            else:
-                from hetero_plugins.scheduler.placement_policy import default_relocator
+        if self._relocator is None and self.relocation is True:
+            from hetero_plugins.scheduler.placement_policy import default_relocator
 
-                self._relocator = default_relocator(self._allocator)
+            self._relocator = default_relocator(self._allocator)
         return self._relocator
 
     def check_names(self, view: ClusterView) -> list[tuple[str, str]]:
@@ -157,12 +155,9 @@ class ClusterAdvisor:
         Returns the ``(field, name)`` pairs not known (warned about now or before).
         """
         relocator = self._relocator
-        if relocator is None and self.relocation is not False:
-            if self.relocation is not True:
-                relocator = self.relocation
-            else:  # before the first decision: the default model's vocabulary (the learned relocator's too)
-                self._names = self._names or Relocator()
-                relocator = self._names
+        if relocator is None and self.relocation is True:  # before the first decision: the default model's
+            self._names = self._names or Relocator()  # vocabulary (the learned relocator's too)
+            relocator = self._names
         known = getattr(relocator, "known_names", lambda: None)() if relocator is not None else None
         if known is None:
             return []

@@ -179,15 +179,14 @@ class _Loop:
         self.restarts += 1
         source = self.seed_models(new, e, act)
         new.memory_caps = [self.pcaps[self.where[int(r)]] for r in act]
-        new.data_time = [self.measured_data.get(int(r), self.measured_data.get(q, 0.0) if q is not None else 0.0)
-                         for r, q in zip(act, source)]
+        data = self.measured_data  # each rank's, else that of the rank its model came from
+        new.data_time = [data.get(int(r), data.get(q, 0.0) if q is not None else 0.0) for r, q in zip(act, source)]
         new.skip_warmup()
         if all(p is not None for p in new.model_params()):
             nxt = self.sim.place_corunners(e) if self.context else None
-            data = self.measured_data
             self.set_context(
                 utilisation=None,
-                data=[data.get(int(r), data.get(q, 0.0) if q is not None else 0.0) for r, q in zip(act, source)],
+                data=new.data_time,
                 devices=[self.pdev[self.where[int(r)]] for r in act],
                 corunners=[self.measured_co.get(q) if q is not None else None for q in source],
                 next_corunners=None if nxt is None else [nxt[self.where[int(r)]] for r in act])
