@@ -117,10 +117,31 @@ def test_docstring_examples(module):
     assert doctest.testmod(importlib.import_module(module)).failed == 0
 
 
-def test_equal_finish_time_is_the_unclamped_equal_finish_makespan():
+def test_equal_finish_time_is_the_equal_finish_makespan():
     from hetero_plugins.balancing.allocators import equal_finish_continuous, equal_finish_time
 
     models = [TimeModelParams(0.01, 0.001), TimeModelParams(0.02, 0.004), TimeModelParams(0.0, 0.002)]
     sizes = equal_finish_continuous(models, 700, Bounds.uniform(3))
     t = equal_finish_time([m.intercept for m in models], [m.slope for m in models], 700)
     assert all(m.predict(b) == pytest.approx(t) for m, b in zip(models, sizes))
+
+
+def test_equal_finish_time_holds_a_rank_slower_than_the_step_at_its_floor():
+    """A rank whose fixed cost (a long wait for data) exceeds the others' equal-finish time keeps its minimum
+    batch and bounds the step; the unclamped formula gave it negative samples and a shorter step than any split."""
+    from hetero_plugins.balancing.allocators import equal_finish_continuous, equal_finish_time
+
+    models = [TimeModelParams(0.0, 0.001), TimeModelParams(0.0, 0.002), TimeModelParams(0.4, 0.001)]
+    bounds = Bounds.uniform(3, min_batch=1)
+    sizes = equal_finish_continuous(models, 300, bounds)
+    t = equal_finish_time([m.intercept for m in models], [m.slope for m in models], 300)
+    assert sizes[2] == pytest.approx(1.0)
+    assert t == pytest.approx(max(m.predict(b) for m, b in zip(models, sizes)))
+    assert t == pytest.approx(0.401)
+    # any real split with every rank at >= 1 sample takes at least as long
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        b = 1 + rng.dirichlet(np.ones(3)) * 297
+        assert max(m.predict(x) for m, x in zip(models, b)) >= t - 1e-12
+    # and with no rank at its floor it is the closed form
+    assert equal_finish_time([0.0, 0.0], [0.001, 0.003], 400) == pytest.approx(0.3)

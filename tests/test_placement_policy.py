@@ -126,3 +126,52 @@ def test_make_relocator_names():
     assert isinstance(learned, LearnedRelocator) and learned.restart_cost == sc.restart_cost
     with pytest.raises(ValueError, match="HINT"):
         make_relocator("best", sc)
+
+
+def test_a_branch_of_the_run_replays_its_future_and_leaves_it_untouched():
+    """Pre-training reads each candidate's realised return from a forked run: staying in the fork replays the
+    run's own next epochs exactly (same noise), the fork leaves the run as it was, and a move's fork pays the
+    restart cost in its first epoch."""
+    from hetero_plugins.scheduler.relocation import Relocation
+    from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
+    from hetero_plugins.scheduler.sim.loop import SimulationRun
+
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])
+    seen: list[tuple[int, float, float, int]] = []
+
+    class Probe:
+        def propose(self, **kw):
+            e, n = run.boundary[0], len(kw["devices"])
+            stay = run.branch(None, 2)
+            moved = run.branch(Relocation([0] + [None] * (n - 1), list(kw["lines"]), 1.0, 1.0), 1)
+            seen.append((e, stay, moved, len(run.epoch_times)))
+            return Relocation([None] * n, list(kw["lines"]), 1.0, 1.0)
+
+    run = SimulationRun(ClusterSim(sc, seed=3), "equal_finish", None, 0.03, True, Probe())
+    for e in range(run.epochs):
+        run.epoch(e)
+    assert seen, "the probe was never asked"
+    plain = simulate(sc, "equal_finish", seed=3)["epoch_times"]
+    assert run.epoch_times == plain  # the branches changed nothing in the run
+    for e, stay, moved, done in seen:
+        assert done == e + 1
+        assert stay == pytest.approx(sum(plain[e + 1:e + 3]), rel=1e-12)
+        assert moved >= sc.restart_cost
+    with pytest.raises(RuntimeError, match="only available while a relocator decides"):
+        run.branch(None, 1)
+
+
+def test_rollout_returns_are_realised_savings():
+    """A pre-training episode's returns read from forked runs: one per candidate met, finite, and in epochs of
+    the staying fork (a move pays its restart, so no return exceeds the epochs rolled out)."""
+    from hetero_plugins.scheduler.placement_training import _episode, relocation_scenarios
+
+    specs = [s for s in relocation_scenarios("train", 12) if s.get("free_slots")][:3]
+    xs, ys = [], []
+    for k, spec in enumerate(specs):
+        x, y, thr = _episode(spec, PlacementNetwork.load(), k, 0.5, 0.98, horizon=2)
+        assert thr > 0 and len(x) == len(y)
+        xs += x
+        ys += y
+    assert ys and np.all(np.isfinite(ys)) and max(ys) <= 2.0
+    assert np.std(ys) > 0

@@ -337,3 +337,49 @@ def test_simulate_command_relocates_as_the_integrations_do():
     out = compare("interference", "auto", relocation=True)
     assert len(out["relocations"]) >= 1  # co-runners arrive beside ranks and a free slot exists: auto moves
     assert out["ratios_steady"]["policy_vs_best_analytic"] >= 0.99
+
+
+def test_a_data_bound_rank_is_moved_to_a_free_slot():
+    """A rank that waits for its data longer than the others compute sets every step's length whatever its
+    batch; a free slot of the same device without that wait is worth a restart. (The placement objective
+    once gave such a rank negative samples and saw no gain in moving it.)"""
+    r = Relocator(restart_cost=0.0)
+    d = r.propose(devices=["t4", "t4", "t4"], corunners=[None] * 3, next_corunners=[None] * 3,
+                  lines=[T4, T4, T4], data=[0.0, 0.0, 0.5], free_slots=[{"device": "t4", "data": 0.0}],
+                  global_batch=256, steps_per_epoch=20, epochs_left=10)
+    assert d.moves == [(2, 0)]
+    assert d.current_step_time == pytest.approx(0.5 + T4[0] + T4[1])
+    assert d.step_time < 0.2
+
+
+def test_a_device_the_ncf_never_saw_borrows_the_known_devices_slowdown():
+    """The measured NCF knows one device ('cpu'); on a GPU it has not seen, a co-runner's slowdown is the mean
+    over the devices it knows (unseen_device="mean", as the DQN allocator does), so a slot with a co-runner can
+    be priced (and avoided) and an announced arrival corrects a line. With "skip" the slot stays unknown."""
+    from hetero_plugins.scheduler.interference import InterferenceCorrection
+    from hetero_plugins.scheduler.measured import load_measured_predictor
+
+    ncf = load_measured_predictor()
+    wl, co = ncf.workloads[0], "compute_x2"
+    known = ncf.predict(wl, "cpu", co)
+    assert known > 1.2
+    assert InterferenceCorrection(ncf).slowdown(wl, "gpu7", co) == pytest.approx(known)
+    assert InterferenceCorrection(ncf, unseen_device="skip").slowdown(wl, "gpu7", co) is None
+    assert InterferenceCorrection(ncf).slowdown("no-such-workload", "gpu7", co) is None
+    with pytest.raises(ValueError, match="unseen_device"):
+        InterferenceCorrection(ncf, unseen_device="max")
+    from hetero_plugins.scheduler.policy import DQNAllocator
+
+    assert DQNAllocator(interference=ncf).slowdown(wl, "gpu7", co) == pytest.approx(known)
+    assert DQNAllocator(interference=ncf, unseen_device="skip").slowdown(wl, "gpu7", co) is None
+    assert DQNAllocator(interference=ncf, unseen_device="skip").slowdown(wl, "cpu", co) == pytest.approx(known)
+    # A rank beside a heavy co-runner next epoch moves to the clean free slot, not to the busy one.
+    line = (0.002, 0.0004)
+    kw = dict(devices=["gpu7"] * 3, corunners=[None] * 3, next_corunners=[None, None, co], lines=[line] * 3,
+              free_slots=[{"device": "gpu7", "corunner": co}, {"device": "gpu7"}], global_batch=600,
+              steps_per_epoch=20, epochs_left=10, workload=wl)
+    d = Relocator(ncf, restart_cost=0.0).propose(**kw)
+    assert d.moves == [(2, 1)] and d.predicted_gain > 0.1
+    assert d.unknown_slots == []
+    blind = Relocator(InterferenceCorrection(ncf, unseen_device="skip"), restart_cost=0.0).propose(**kw)
+    assert blind.moves == [] and blind.unknown_slots == [0]

@@ -410,20 +410,32 @@ class ProportionalAllocator(Allocator):
                                   bounds.max_batch).tolist()
 
 
-def equal_finish_time(fixed: Sequence[float] | np.ndarray, slope: Sequence[float] | np.ndarray, global_batch: int) -> float:
-    """The unclamped continuous equal-finish step time ``(B + sum c_i / s_i) / sum 1 / s_i``.
+def equal_finish_time(fixed: Sequence[float] | np.ndarray, slope: Sequence[float] | np.ndarray, global_batch: int,
+                      min_batch: float = 1.0) -> float:
+    """The continuous equal-finish step time: the shortest makespan of a real-valued split with every rank at
+    ``min_batch`` samples or more.
 
-    Every rank's time ``c_i + s_i b_i`` equals it when the ``b_i`` sum to ``global_batch`` (``c``: fixed seconds
-    per step, data time included where it counts; ``s``: seconds per sample). Placements are compared by it.
+    Where no rank is held at the floor it is ``(B + sum c_i / s_i) / sum 1 / s_i`` and every rank's time
+    ``c_i + s_i b_i`` equals it (``c``: fixed seconds per step, data time included where it counts; ``s``: seconds
+    per sample). A rank whose fixed cost alone exceeds that time is held at ``min_batch`` and the others share
+    the rest, who then finish before it: the step lasts that rank's ``c_i + s_i * min_batch``. So the time is
+    ``max(closed form, max_i c_i + s_i * min_batch)``, exactly. Placements are compared by it,
+    so a rank that waits for its data longer than the others compute (a data-loading-bound place) costs its full
+    wait: the unclamped formula gave it negative samples and priced it as if it helped.
 
     Example::
 
         >>> round(equal_finish_time([0.0, 0.0], [0.001, 0.003], 400), 9)  # 300 and 100 samples
         0.3
+        >>> round(equal_finish_time([0.0, 0.5], [0.001, 0.001], 400), 4)  # rank 1 waits 0.5 s: held at 1 sample
+        0.501
     """
     c = np.asarray(fixed, dtype=np.float64)
     s = np.asarray(slope, dtype=np.float64)
-    return float((global_batch + np.sum(c / s)) / np.sum(1.0 / s))
+    # With no rank below its floor the closed form is the makespan; with one below, the others cover fewer
+    # samples than there and finish before it, so the floor's rank sets the step: the max of the two, exactly.
+    unclamped = (global_batch + np.sum(c / s)) / np.sum(1.0 / s)
+    return float(max(unclamped, float(np.max(c + s * min_batch))))
 
 
 def equal_finish_continuous(models: Sequence[TimeModelParams], global_batch: int, bounds: Bounds) -> list[float]:

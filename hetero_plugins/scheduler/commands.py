@@ -280,11 +280,14 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=12, help="behaviour episodes per round")
     parser.add_argument("--fit-steps", type=int, default=1000, help="gradient steps per round")
     parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    parser.add_argument("--returns", default="rollout", choices=("rollout", "lines"),
+                        help="each candidate's return: realised in a forked run (rollout) or from the true lines")
+    parser.add_argument("--horizon", type=int, default=4, help="epochs a rollout return runs over")
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 300", file=sys.stderr)
         return 2
-    for name in ("train", "val", "episodes", "fit_steps"):
+    for name in ("train", "val", "episodes", "fit_steps", "horizon"):
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
             print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 10", file=sys.stderr)
@@ -294,7 +297,7 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
         _, stats = pretrain_placement(seconds=args.seconds, seed=args.seed, out=args.out, family=args.family, net=init,
                                       train_count=args.train, val_count=args.val, episodes_per_round=args.episodes,
                                       max_rounds=args.rounds, resume=not args.no_resume,
-                                      fit_steps=args.fit_steps)
+                                      fit_steps=args.fit_steps, returns=args.returns, horizon=args.horizon)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -35,12 +35,23 @@ class InterferenceCorrection:
     table, see :mod:`hetero_plugins.scheduler.pretrain`). Names the predictor does not know leave the line
     unchanged (logged once each).
 
+    A device type the predictor was not trained on (a GPU beside a table measured on CPUs, say) gets the mean
+    of the predictions for the same workload and co-runner over the device types it knows (``unseen_device=
+    "mean"``, as :class:`~hetero_plugins.scheduler.policy.DQNAllocator` does): how much a co-runner slows a
+    workload is mostly the pair's, and a device's own sensitivity scales it (the generated family draws it so).
+    With ``"skip"`` every co-runner on such a device is unknown: the relocator then prices no slot with one
+    and no announced arrival corrects a line.
+
     Args:
         predictor: an :class:`~hetero_plugins.scheduler.ncf.InterferencePredictor`, a model file, or
             ``None`` for the shipped default (loaded on first use).
+        unseen_device: ``"mean"`` (default) or ``"skip"``, see above.
     """
 
-    def __init__(self, predictor: Any = None) -> None:
+    def __init__(self, predictor: Any = None, unseen_device: str = "mean") -> None:
+        if unseen_device not in ("mean", "skip"):
+            raise ValueError(f"`unseen_device`={unseen_device!r} is not an option. HINT: use 'mean' or 'skip'.")
+        self.unseen_device = unseen_device
         self._source = predictor
         self._predictor: Any = None if predictor is None or isinstance(predictor, (str, Path)) else predictor
         self._cache: dict[tuple[str, str, str | None], float | None] = {}
@@ -59,9 +70,22 @@ class InterferenceCorrection:
                 try:
                     self._cache[key] = float(self._predictor.predict(workload, device, corunner))
                 except ValueError as err:
-                    log.info("interference correction skipped for %s: %s", key, err)
-                    self._cache[key] = None
+                    self._cache[key] = self._borrowed(workload, device, corunner)
+                    if self._cache[key] is None:
+                        log.info("interference correction skipped for %s: %s", key, err)
+                    else:
+                        log.info("interference for %s: the mean over the known devices (%s)", key, err)
         return self._cache[key]
+
+    def _borrowed(self, workload: str, device: str, corunner: str) -> float | None:
+        """The mean over the predictor's known device types, for a device type it does not know."""
+        known = getattr(self._predictor, "devices", None)
+        if self.unseen_device != "mean" or not isinstance(known, (list, tuple)) or not known or device in known:
+            return None
+        try:
+            return float(np.mean([float(self._predictor.predict(workload, d, corunner)) for d in known]))
+        except ValueError:
+            return None
 
     def factors(self, workload: str, devices: Sequence[str], measured: Sequence[str | None],
                 upcoming: Sequence[str | None]) -> np.ndarray:

@@ -20,8 +20,9 @@ def best_placement(slots: Sequence[Mapping[str, Any]], n: int, global_batch: int
     """Indices of the ``n`` slots with the shortest equal-finish step time (true times, data included).
 
     Greedy on speed (``1/slope``, the exact optimum when fixed costs are negligible), then single swaps with
-    the unchosen slots while the exact continuous equal-finish time ``(B + sum c/s) / sum 1/s`` improves
-    (``c``: fixed cost plus data time, ``s``: slope). Each slot is ``{"intercept", "slope", "data"}`` (plus
+    the unchosen slots while the exact continuous equal-finish time
+    (:func:`~hetero_plugins.balancing.allocators.equal_finish_time`, a rank held at one sample when its fixed
+    cost alone outlasts the others) improves (``c``: fixed cost plus data time, ``s``: slope). Each slot is ``{"intercept", "slope", "data"}`` (plus
     ``"rank"``: a slot with a rank wins ties against a free one).
 
     Example::

@@ -1,11 +1,13 @@
 """Pre-training the learned relocation (:class:`~hetero_plugins.scheduler.placement_policy.LearnedRelocator`) in
 the simulator: fitted Q-iteration on generated scenarios of the *train* split, model selection on *val*.
 
-Each round runs behaviour episodes (the current network, with exploration) through
-:func:`~hetero_plugins.scheduler.sim.simulate`; at every decision, each candidate action's return is read from
-the simulator's true future epoch times: the discounted seconds its placement saves against the current one
-over the following epochs (until the run ends or its ranks change), minus the restart cost, in epochs of the
-current step time. The network is refit on all samples so far (Ernst et al., JMLR 2005; Riedmiller, ECML 2005)
+Each round runs behaviour episodes (the current network, with exploration) in the simulator; at every decision,
+each candidate action's return is realised (``returns="rollout"``): the run is forked under the same noise, the
+move applied and the next ``horizon`` epochs run with nobody moving after, against the fork that stays; the
+seconds saved, restart included, in epochs of the staying fork's. (``returns="lines"``: the discounted seconds
+its placement saves on the true noise-free lines, minus the restart cost; that target misses the planner's refit,
+nonlinear curves and the noise of the slowest rank, and a choice by it among the candidates, with the future
+known, was no better than the greedy rule on the validation split.) The network is refit on all samples so far (Ernst et al., JMLR 2005; Riedmiller, ECML 2005)
 and scored closed loop on validation scenarios against the greedy
 :class:`~hetero_plugins.scheduler.relocation.Relocator`; the best round is kept. Zhang, Geng, Ma, IEEE TPDS 2021
 (LDWP) pre-train their scheduling DQN before it runs online.
@@ -13,6 +15,7 @@ and scored closed loop on validation scenarios against the greedy
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,10 +27,11 @@ import numpy as np
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork
-from hetero_plugins.scheduler.relocation import Relocator
+from hetero_plugins.scheduler.relocation import Relocation, Relocator
 from hetero_plugins.scheduler.sim import ClusterSim, load_scenario, simulate
+from hetero_plugins.scheduler.sim.loop import SimulationRun
 
-__all__ = ["collect", "evaluate_relocation", "pretrain_placement", "relocation_scenarios"]
+__all__ = ["collect", "default_predictor", "evaluate_relocation", "pretrain_placement", "relocation_scenarios"]
 
 
 #: Stand-in measured interference table (format 1) for the generated family while none is shipped.
@@ -84,45 +88,91 @@ class _Truth:
         return out
 
 
+@functools.lru_cache(maxsize=1)
+def default_predictor() -> Any:
+    """The NCF the relocators price slots with in training and evaluation: the one trained on the shipped
+    measured table (the family draws its interference from that table), else the shipped default."""
+    from hetero_plugins.scheduler.measured import load_measured_predictor
+
+    try:
+        return load_measured_predictor()
+    except (OSError, ValueError):
+        return None
+
+
+#: How a candidate's return is read in pre-training: ``"rollout"``, realised in a forked run; ``"lines"``, from the
+#: true noise-free step times of the placements.
+RETURNS = ("rollout", "lines")
+
+
 def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, explore: float,
-             gamma: float, record: bool = True, online: bool = False) -> tuple[list[np.ndarray], list[float], float]:
-    """One closed-loop run; returns the features and true returns of every candidate met, and the throughput."""
+             gamma: float, record: bool = True, online: bool = False,
+             predictor: Any = None, returns: str = "rollout",
+             horizon: int = 4) -> tuple[list[np.ndarray], list[float], float]:
+    """One closed-loop run; returns the features and returns of every candidate met, and the throughput.
+
+    ``returns="rollout"``: each candidate's return is realised: the run is forked at the decision
+    (:meth:`~hetero_plugins.scheduler.sim.loop.SimulationRun.branch`, same noise), the candidate applied, and the next
+    ``horizon`` epochs run with nobody moving after, against the same fork staying; the seconds saved (restart
+    included) in epochs of the staying fork's. This prices what the lines miss: the planner's refit after a
+    move, nonlinear step curves, the co-runner's true slowdown. ``"lines"``: the discounted saving of the true
+    noise-free lines (placements held, until the ranks change), less the restart cost."""
+    if returns not in RETURNS:
+        raise ValueError(f"`returns`={returns!r} is not one of {RETURNS}. HINT: use 'rollout' (realised) or 'lines'.")
     sc = load_scenario(dict(scenario))
-    truth = _Truth(sc, seed)
-    rel = LearnedRelocator(net, workload=sc.workload, restart_cost=sc.restart_cost, gamma=gamma, online=online,
-                           seed=seed)
+    truth = _Truth(sc, seed) if returns == "lines" else None
+    rel = LearnedRelocator(net, predictor=predictor, workload=sc.workload, restart_cost=sc.restart_cost, gamma=gamma,
+                           online=online, seed=seed)
     rel.explore = explore
     xs: list[np.ndarray] = []
     ys: list[float] = []
-    state = {"epoch": 0}
+    run = SimulationRun(ClusterSim(sc, seed=seed), "equal_finish", None, 0.03, True, rel)
 
     def recorder(cands: list[dict[str, Any]], x: np.ndarray, ctx: Mapping[str, Any], places: list[Any],
                  slot_ids: list[Any], pick: int) -> None:
         if not record:
             return
-        placements = []
-        for c in cands:
-            pl = list(places)
-            for i, j in c["moves"].items():
-                pl[i] = slot_ids[ctx["incoming"][j]["free_slot"]]
-            placements.append(pl)
-        y = truth.returns(ctx["epoch"], places, placements, sc.restart_cost, gamma, sc.epochs)
+        if truth is None:
+            stay = run.branch(None, horizon)
+            epochs = min(horizon, run.epochs - ctx["epoch"] - 1)
+            unit = stay / max(epochs, 1)
+            y = []
+            for c in cands:
+                targets: list[int | None] = [None] * ctx["n"]
+                lines = [(0.0, 0.0)] * ctx["n"]
+                for i, j in c["moves"].items():
+                    targets[i] = ctx["incoming"][j]["free_slot"]
+                    lines[i] = (ctx["incoming"][j]["intercept"], ctx["incoming"][j]["slope"])
+                moved = Relocation(targets, lines, ctx["t_cur"], c["t_new"], 0.0, len(ctx["incoming"]))
+                y.append((stay - run.branch(moved, horizon)) / unit)
+        else:
+            placements = []
+            for c in cands:
+                pl = list(places)
+                for i, j in c["moves"].items():
+                    pl[i] = slot_ids[ctx["incoming"][j]["free_slot"]]
+                placements.append(pl)
+            y = truth.returns(ctx["epoch"], places, placements, sc.restart_cost, gamma, sc.epochs).tolist()
         xs.extend(x)
-        ys.extend(y.tolist())
-        state["epoch"] += 1
+        ys.extend(y)
 
     rel.recorder = recorder
-    res = simulate(sc, "equal_finish", seed=seed, relocation=rel)
-    return xs, ys, float(res["steady_samples_per_s"])
+    for e in range(run.epochs):
+        run.epoch(e)
+    return xs, ys, float(run.result()["steady_samples_per_s"])
 
 
 def collect(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork, explore: float = 0.3, gamma: float = 0.98,
-            seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Features and true returns of every candidate met in one behaviour episode per scenario."""
+            seed: int = 0, predictor: Any = None, returns: str = "rollout",
+            horizon: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Features and returns of every candidate met in one behaviour episode per scenario (``predictor``: the
+    relocator's NCF, default :func:`default_predictor`; ``returns``, ``horizon``: how returns are read, see
+    :data:`RETURNS`)."""
     xs: list[np.ndarray] = []
     ys: list[float] = []
+    predictor = default_predictor() if predictor is None else predictor
     for k, sc in enumerate(scenarios):
-        x, y, _ = _episode(sc, net, seed + k, explore, gamma)
+        x, y, _ = _episode(sc, net, seed + k, explore, gamma, predictor=predictor, returns=returns, horizon=horizon)
         xs += x
         ys += y
     return (np.array(xs).reshape(-1, len(net.layers[0][0])), np.array(ys))
@@ -130,10 +180,12 @@ def collect(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork, explo
 
 def evaluate_relocation(scenarios: Sequence[Mapping[str, Any]], net: PlacementNetwork | None = None,
                         seeds: Sequence[int] = (0,), gamma: float = 0.98, online: bool = False,
-                        policies: Sequence[str] = ("none", "greedy", "learned"),
+                        policies: Sequence[str] = ("none", "greedy", "learned"), predictor: Any = None,
                         **relocator_kw: Any) -> list[dict[str, Any]]:
     """Closed-loop steady throughput of no relocation, the greedy Relocator and the learned one per scenario
-    (mean over noise ``seeds``; each seed's values kept; ``relocator_kw`` go to the learned relocator)."""
+    (mean over noise ``seeds``; each seed's values kept; ``predictor``: both relocators' NCF, default
+    :func:`default_predictor`; ``relocator_kw`` go to the learned relocator)."""
+    predictor = default_predictor() if predictor is None else predictor
     rows = []
     for sc in scenarios:
         sc_obj = load_scenario(dict(sc))
@@ -144,9 +196,9 @@ def evaluate_relocation(scenarios: Sequence[Mapping[str, Any]], net: PlacementNe
                 if pol == "none":
                     rel: Any = None
                 elif pol == "greedy":
-                    rel = Relocator(workload=sc_obj.workload, restart_cost=sc_obj.restart_cost)
+                    rel = Relocator(predictor, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost)
                 else:
-                    rel = LearnedRelocator(net, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost,
+                    rel = LearnedRelocator(net, predictor=predictor, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost,
                                            gamma=gamma, online=online, seed=s, **relocator_kw)
                 vals.append(float(simulate(sc_obj, "equal_finish", seed=s, relocation=rel)["steady_samples_per_s"]))
             row[pol] = float(np.mean(vals))
@@ -179,9 +231,13 @@ def pretrain_placement(
     max_rounds: int | None = None,
     scenarios: Callable[[str, int, str], list[dict[str, Any]]] | None = None,
     resume: bool = True,
+    returns: str = "rollout",
+    horizon: int = 4,
 ) -> tuple[PlacementNetwork, dict[str, Any]]:
     """Fitted Q-iteration on the *train* split of ``family`` for ``seconds``; keep the round that scores best on
-    *val* (closed loop, mean throughput ratio to the greedy Relocator); save to ``out`` if given.
+    *val* (closed loop, mean throughput ratio to the greedy Relocator); save to ``out`` if given. ``returns``
+    and ``horizon``: how each candidate's return is read (:data:`RETURNS`; realised over ``horizon`` epochs of
+    a forked run by default).
 
     With ``out`` and ``resume``, the samples and the round reached are checkpointed to ``<out>.ckpt.npz`` after
     each round and a later call with the same ``out`` continues from there.
@@ -192,6 +248,7 @@ def pretrain_placement(
     train = [s for s in get("train", train_count, family) if s.get("free_slots")]  # no free slot: nothing to learn
     val = [s for s in get("val", val_count, family) if s.get("free_slots")]
     rng = np.random.default_rng(seed)
+    predictor = default_predictor()
     start = net.copy() if net is not None else PlacementNetwork.random(seed=seed)
     cur = start.copy()
     xs = np.zeros((0, len(cur.layers[0][0])))
@@ -206,10 +263,10 @@ def pretrain_placement(
         cur = PlacementNetwork.load(meta["net"]) if Path(meta["net"]).is_file() else cur
         best = PlacementNetwork.load(meta["best"]) if Path(meta["best"]).is_file() else cur.copy()
         best_val, rounds, history = meta["best_val"], meta["rounds"], meta["history"]
-    greedy = {r["scenario"]: r["greedy"] for r in evaluate_relocation(val, policies=("greedy",))}
+    greedy = {r["scenario"]: r["greedy"] for r in evaluate_relocation(val, policies=("greedy",), predictor=predictor)}
 
     def val_score(net: PlacementNetwork) -> float:
-        rows = evaluate_relocation(val, net, gamma=gamma, policies=("learned",))
+        rows = evaluate_relocation(val, net, gamma=gamma, policies=("learned",), predictor=predictor)
         return float(np.mean([r["learned"] / greedy[r["scenario"]] for r in rows]))
 
     if not np.isfinite(best_val) and val:
@@ -220,7 +277,8 @@ def pretrain_placement(
     while (max_rounds is None or rounds < max_rounds) and time.perf_counter() - t0 < seconds:
         picks = rng.choice(len(train), min(episodes_per_round, len(train)), replace=False)
         explore = max(0.1, 0.5 * 0.7 ** rounds)
-        x, y = collect([train[i] for i in picks], cur, explore=explore, gamma=gamma, seed=seed * 1000 + rounds * 50)
+        x, y = collect([train[i] for i in picks], cur, explore=explore, gamma=gamma, seed=seed * 1000 + rounds * 50,
+                       predictor=predictor, returns=returns, horizon=horizon)
         xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
         cur.fit(xs, ys, steps=fit_steps, lr=lr, seed=seed + rounds)
         rounds += 1
@@ -239,7 +297,7 @@ def pretrain_placement(
     bar.close()
     stats = {"family": family, "rounds": rounds, "samples": int(len(ys)), "episodes": rounds * episodes_per_round,
              "validation": history, "best_val_vs_greedy": round(float(best_val), 4), "seed": seed,
-             "seconds": seconds, "gamma": gamma}
+             "seconds": seconds, "gamma": gamma, "returns": returns, "horizon": horizon}
     if out is not None:
         best.save(out, trained=stats)
     return best, stats

@@ -180,6 +180,9 @@ class DQNAllocator(Allocator):
         unknown."""
         if self.correction is None:
             return None
+        known = self._devices_known() if self.unseen_device == "skip" and corunner is not None else []
+        if known and device not in known:
+            return None  # the correction may fill unseen devices in itself (its own unseen_device)
         s = self.correction.slowdown(workload, device, corunner)
         if s is not None or corunner is None or self.unseen_device != "mean":
             return s

@@ -21,7 +21,7 @@ from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim.cluster import ClusterSim, min_makespan_curves
 from hetero_plugins.scheduler.sim.scenario import Scenario
 
-__all__ = ["decision_problems", "oracle", "simulate"]
+__all__ = ["SimulationRun", "decision_problems", "oracle", "simulate"]
 
 
 def simulate(
@@ -65,14 +65,16 @@ def simulate(
         ``relocations`` (per relocation: epoch and moves), ``placements`` (each rank's place per epoch) and
         ``decision_ms`` (mean wall time of one planning call).
     """
-    run = _Loop(ClusterSim(scenario, seed=seed), allocator, epochs, min_gain, telemetry, relocation)
+    run = SimulationRun(ClusterSim(scenario, seed=seed), allocator, epochs, min_gain, telemetry, relocation)
     for e in range(run.epochs):
         run.epoch(e)
     return run.result()
 
 
-class _Loop:
-    """The state of one :func:`simulate` run, advanced one epoch at a time.
+class SimulationRun:
+    """The state of one :func:`simulate` run, advanced one epoch at a time (``run.epoch(e)`` for each epoch, then
+    ``run.result()``); :func:`simulate` is this, run to the end. While a relocator decides, :meth:`branch` plays a
+    candidate move forward in a copy of the run (placement pre-training reads realised returns from it).
 
     Ranks run on *places*: place ``r < world_size`` is rank r's own, the others the scenario's free slots.
     """
@@ -106,6 +108,7 @@ class _Loop:
         self.moves_log: list[dict[str, Any]] = []
         self.restarts = 0
         self.pending_cost = 0.0
+        self.boundary: tuple[Any, ...] | None = None  # the relocate() arguments while a relocator decides
 
     def set_context(self, **context: Any) -> None:
         """Pass what is observable at this boundary to the allocator (when it takes context and telemetry is on)."""
@@ -243,6 +246,7 @@ class _Loop:
         if not free:
             return
         t0 = time.perf_counter()
+        self.boundary = (e, act, here, records, d_p, co_now, co_next)
         # A relocator that tracks places across calls (``observes_places``, e.g. the learned one) also gets
         # each rank's place and home place, the epoch and the restart cost; every free slot names its place.
         extra: dict[str, Any] = {}
@@ -257,6 +261,7 @@ class _Loop:
                         for p in free],
             global_batch=self.sc.global_batch, steps_per_epoch=self.sc.steps_per_epoch, epochs_left=self.epochs - e - 1,
             data=list(records[:, :, 2].mean(axis=1)), workload=self.sc.workload, **extra)
+        self.boundary = None
         if decision.moves:
             for i, k in decision.moves:
                 r, p = int(act[i]), free[k]
@@ -272,6 +277,29 @@ class _Loop:
             self.moves_log.append({"epoch": e + 1, "moves": [(int(act[i]), int(free[k])) for i, k in decision.moves],
                                    "predicted_gain": decision.predicted_gain})
         self.decide[-1] += time.perf_counter() - t0
+
+    def branch(self, decision: Any, horizon: int) -> float:
+        """Seconds the next ``horizon`` epochs take (restart cost included) if ``decision`` (a
+        :class:`~hetero_plugins.scheduler.relocation.Relocation`, ``None``: stay) is applied at the boundary being
+        decided and nobody moves after: a forked copy of the run under the same noise, this run untouched. Only
+        while a relocator decides (placement pre-training reads realised returns from it)."""
+        if self.boundary is None:
+            raise RuntimeError("branch() is only available while a relocator decides (inside its propose call).")
+        relocator, self.relocator = self.relocator, None
+        try:
+            fork = copy.deepcopy(self)
+        finally:
+            self.relocator = relocator
+        e, *args = fork.boundary
+        fork.boundary = None
+        if decision is not None and decision.moves:
+            fork.relocator = _Decided(decision)
+            fork.relocate(e, *args)
+            fork.relocator = None
+        done = len(fork.epoch_times)
+        for k in range(e + 1, min(e + 1 + int(horizon), fork.epochs)):
+            fork.epoch(k)
+        return float(sum(fork.epoch_times[done:]))
 
     def result(self) -> dict[str, Any]:
         sc, epoch_times = self.sc, self.epoch_times
@@ -295,6 +323,16 @@ class _Loop:
             "plans": self.plans,
             "decision_ms": 1000.0 * float(np.mean(self.decide)),
         }
+
+
+class _Decided:
+    """A relocator that returns one given decision (a branch of the run applies it)."""
+
+    def __init__(self, decision: Any) -> None:
+        self.decision = decision
+
+    def propose(self, **_: Any) -> Any:
+        return self.decision
 
 
 def _steady_busy(epoch_times: Sequence[float], busy: Sequence[float]) -> float:
@@ -380,14 +418,23 @@ def _swap_placement(slots: Sequence[Mapping[str, Any]], n: int, global_batch: in
     sl = np.array([float(x["slope"]) for x in slots])
     order = sorted(range(len(slots)), key=lambda k: (sl[k], slots[k].get("rank") is None, k))
     chosen, rest = np.array(order[:n]), np.array(order[n:])
-    u, v = c / sl, 1.0 / sl  # the chosen set's time is (B + sum u) / sum v
+    u, v = c / sl, 1.0 / sl  # the chosen set's time is max((B + sum u) / sum v, max(c + s)): equal_finish_time
+    floor = c + sl
     for _ in range(4 * len(slots)):
         if not len(rest):
             break
         su, sv = float(u[chosen].sum()), float(v[chosen].sum())
         t = (global_batch + su - u[chosen][:, None] + u[rest][None, :]) / (sv - v[chosen][:, None] + v[rest][None, :])
+        fc = floor[chosen]
+        top = int(np.argmax(fc))
+        others = np.full(len(chosen), fc[top])  # the largest floor among the chosen but i
+        if len(chosen) > 1:
+            others[top] = np.max(np.delete(fc, top))
+        else:
+            others[top] = -np.inf
+        t = np.maximum(t, np.maximum(others[:, None], floor[rest][None, :]))
         i, j = np.unravel_index(int(np.argmin(t)), t.shape)
-        if not t[i, j] < (global_batch + su) / sv * (1 - 1e-9):
+        if not t[i, j] < max((global_batch + su) / sv, float(fc.max())) * (1 - 1e-9):
             break
         chosen[i], rest[j] = rest[j], chosen[i]
     return sorted(int(k) for k in chosen)
