@@ -175,3 +175,16 @@ def test_rollout_returns_are_realised_savings():
         ys += y
     assert ys and np.all(np.isfinite(ys)) and max(ys) <= 2.0
     assert np.std(ys) > 0
+
+
+def test_keep_greedy_takes_the_greedy_move_unless_the_network_vetoes_it():
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
+              lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100"}], global_batch=512,
+              steps_per_epoch=20, epochs_left=5)
+    gloomy = _eager(bias=-5.0)  # values every move at -5 epochs
+    assert LearnedRelocator(gloomy, restart_cost=0.0).propose(**kw).moves == [(1, 0)]  # the greedy rule fires
+    assert LearnedRelocator(gloomy, restart_cost=0.0, keep_greedy=False).propose(**kw).moves == []
+    assert LearnedRelocator(gloomy, restart_cost=0.0, veto=1.0).propose(**kw).moves == []
+    assert LearnedRelocator(gloomy, restart_cost=0.0, veto=10.0).propose(**kw).moves == [(1, 0)]
+    with pytest.raises(ValueError, match="veto"):
+        LearnedRelocator(restart_cost=0.0, veto=-1.0)

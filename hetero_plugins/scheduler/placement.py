@@ -22,7 +22,8 @@ def best_placement(slots: Sequence[Mapping[str, Any]], n: int, global_batch: int
     Greedy on speed (``1/slope``, the exact optimum when fixed costs are negligible), then single swaps with
     the unchosen slots while the exact continuous equal-finish time
     (:func:`~hetero_plugins.balancing.allocators.equal_finish_time`, a rank held at one sample when its fixed
-    cost alone outlasts the others) improves (``c``: fixed cost plus data time, ``s``: slope). Each slot is ``{"intercept", "slope", "data"}`` (plus
+    cost alone outlasts the others) improves (``c``: fixed cost plus data time, ``s``: slope). Each slot is
+    ``{"intercept", "slope", "data"}`` (plus
     ``"rank"``: a slot with a rank wins ties against a free one).
 
     Example::

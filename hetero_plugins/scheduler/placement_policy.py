@@ -298,7 +298,8 @@ class LearnedRelocator(Relocator):
     def __init__(self, model: PlacementNetwork | str | Path | None = None, predictor: Any = None,
                  workload: str = "training", restart_cost: float = 60.0, gamma: float = 0.98, margin: float = 0.5,
                  other_margin: float = 0.0, keep_greedy: bool = True, greedy_min_gain: float = 0.05,
-                 greedy_horizon: int = 3, veto: float | None = None, online: bool = True, update_every: int = 4, replay_size: int = 256, online_lr: float = 3e-4,
+                 greedy_horizon: int = 3, veto: float | None = None, online: bool = True, update_every: int = 4,
+                 replay_size: int = 256, online_lr: float = 3e-4,
                  online_steps: int = 20, seed: int = 0) -> None:
         super().__init__(predictor, workload=workload, min_gain=0.0, restart_cost=restart_cost, horizon_epochs=1)
         self.net = model.copy() if isinstance(model, PlacementNetwork) else PlacementNetwork.load(model)

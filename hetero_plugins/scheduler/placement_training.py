@@ -7,8 +7,8 @@ move applied and the next ``horizon`` epochs run with nobody moving after, again
 seconds saved, restart included, in epochs of the staying fork's. (``returns="lines"``: the discounted seconds
 its placement saves on the true noise-free lines, minus the restart cost; that target misses the planner's refit,
 nonlinear curves and the noise of the slowest rank, and a choice by it among the candidates, with the future
-known, was no better than the greedy rule on the validation split.) The network is refit on all samples so far (Ernst et al., JMLR 2005; Riedmiller, ECML 2005)
-and scored closed loop on validation scenarios against the greedy
+known, was no better than the greedy rule on the validation split.) The network is refit on all samples so far
+(Ernst et al., JMLR 2005; Riedmiller, ECML 2005) and scored closed loop on validation scenarios against the greedy
 :class:`~hetero_plugins.scheduler.relocation.Relocator`; the best round is kept. Zhang, Geng, Ma, IEEE TPDS 2021
 (LDWP) pre-train their scheduling DQN before it runs online.
 """
@@ -139,7 +139,7 @@ def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, expl
             y = []
             for c in cands:
                 targets: list[int | None] = [None] * ctx["n"]
-                lines = [(0.0, 0.0)] * ctx["n"]
+                lines = list(ctx["lines"])  # the ranks that stay keep theirs; the movers take their slots'
                 for i, j in c["moves"].items():
                     targets[i] = ctx["incoming"][j]["free_slot"]
                     lines[i] = (ctx["incoming"][j]["intercept"], ctx["incoming"][j]["slope"])
@@ -198,7 +198,8 @@ def evaluate_relocation(scenarios: Sequence[Mapping[str, Any]], net: PlacementNe
                 elif pol == "greedy":
                     rel = Relocator(predictor, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost)
                 else:
-                    rel = LearnedRelocator(net, predictor=predictor, workload=sc_obj.workload, restart_cost=sc_obj.restart_cost,
+                    rel = LearnedRelocator(net, predictor=predictor, workload=sc_obj.workload,
+                                           restart_cost=sc_obj.restart_cost,
                                            gamma=gamma, online=online, seed=s, **relocator_kw)
                 vals.append(float(simulate(sc_obj, "equal_finish", seed=s, relocation=rel)["steady_samples_per_s"]))
             row[pol] = float(np.mean(vals))
