@@ -66,7 +66,7 @@ from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
 __all__ = ["DEFAULT_PLACEMENT_MODEL", "PLACEMENT_FEATURES", "RELOCATION_POLICIES", "LearnedRelocator",
-           "PlacementNetwork", "candidate_actions", "default_relocator", "make_relocator"]
+           "PlacementNetwork", "candidate_actions", "candidate_decision", "default_relocator", "make_relocator"]
 
 DEFAULT_PLACEMENT_MODEL = "placement_v1.npz"
 
@@ -248,6 +248,20 @@ def candidate_actions(own: list[dict[str, Any]], incoming: list[dict[str, Any]],
     for i, k in (homes_free or {}).items():
         add({int(i): int(k)}, "home")
     return out
+
+
+def candidate_decision(cand: Mapping[str, Any], incoming: Sequence[Mapping[str, Any]],
+                       lines: Sequence[tuple[float, float]], t_cur: float, saved: float = 0.0,
+                       unknown: Sequence[int] = ()) -> Relocation:
+    """The :class:`~hetero_plugins.scheduler.relocation.Relocation` that applies candidate ``cand`` (one of
+    :func:`candidate_actions`): each mover goes to its priced free slot and takes that slot's line, the other
+    ranks keep ``lines``."""
+    targets: list[int | None] = [None] * len(lines)
+    new_lines = list(lines)
+    for i, j in cand["moves"].items():
+        targets[i] = incoming[j]["free_slot"]
+        new_lines[i] = (incoming[j]["intercept"], incoming[j]["slope"])
+    return Relocation(targets, new_lines, t_cur, cand["t_new"], saved, len(incoming), list(unknown))
 
 
 class LearnedRelocator(Relocator):
@@ -442,19 +456,13 @@ class LearnedRelocator(Relocator):
         if pick < 0:
             return stay
         c = cands[pick]
-        targets: list[int | None] = [None] * n
-        new_lines = list(keep)
-        for i, j in c["moves"].items():
-            targets[i] = incoming[j]["free_slot"]
-            new_lines[i] = (incoming[j]["intercept"], incoming[j]["slope"])
         after = list(places_l)
         for i, j in c["moves"].items():
             after[i] = slot_ids[incoming[j]["free_slot"]]
         self._last = {"x": x[pick], "moves": set(c["moves"]), "stay": own, "after": after,
                       "predicted": 1.0 - c["t_new"] / t_cur, "epochs_left": int(epochs_left)}
         self.relocations += 1
-        saved = float(q[pick]) * t_cur * steps_per_epoch
-        return Relocation(targets, new_lines, t_cur, c["t_new"], saved, len(incoming), unknown)
+        return candidate_decision(c, incoming, keep, t_cur, float(q[pick]) * t_cur * steps_per_epoch, unknown)
 
     def features(self, cands: list[dict[str, Any]], ctx: Mapping[str, Any]) -> np.ndarray:
         """The :data:`PLACEMENT_FEATURES` row of each candidate."""

@@ -26,8 +26,8 @@ import numpy as np
 
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.progress import progress
-from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork
-from hetero_plugins.scheduler.relocation import Relocation, Relocator
+from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork, candidate_decision
+from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim import ClusterSim, load_scenario, simulate
 from hetero_plugins.scheduler.sim.loop import SimulationRun
 
@@ -138,12 +138,7 @@ def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, expl
             unit = stay / max(epochs, 1)
             y = []
             for c in cands:
-                targets: list[int | None] = [None] * ctx["n"]
-                lines = list(ctx["lines"])  # the ranks that stay keep theirs; the movers take their slots'
-                for i, j in c["moves"].items():
-                    targets[i] = ctx["incoming"][j]["free_slot"]
-                    lines[i] = (ctx["incoming"][j]["intercept"], ctx["incoming"][j]["slope"])
-                moved = Relocation(targets, lines, ctx["t_cur"], c["t_new"], 0.0, len(ctx["incoming"]))
+                moved = candidate_decision(c, ctx["incoming"], ctx["lines"], ctx["t_cur"])
                 y.append((stay - run.branch(moved, horizon)) / unit)
         else:
             placements = []
