@@ -175,6 +175,12 @@ def test_rollout_returns_are_realised_savings():
         ys += y
     assert ys and np.all(np.isfinite(ys)) and max(ys) <= 2.0
     assert np.std(ys) > 0
+    from hetero_plugins.scheduler.placement_training import pretrain_placement
+
+    with pytest.raises(ValueError, match="horizon"):
+        _episode(specs[0], PlacementNetwork.load(), 0, 0.5, 0.98, horizon=0)
+    with pytest.raises(ValueError, match="returns"):
+        pretrain_placement(seconds=1.0, returns="oracle")
 
 
 def test_keep_greedy_takes_the_greedy_move_unless_the_network_vetoes_it():

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins._validation import check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork, candidate_decision
@@ -105,6 +106,13 @@ def default_predictor() -> Any:
 RETURNS = ("rollout", "lines")
 
 
+def _check_returns(returns: str, horizon: int) -> None:
+    """``ValueError`` naming the option unless ``returns`` is one of :data:`RETURNS` and ``horizon`` >= 1."""
+    if returns not in RETURNS:
+        raise ValueError(f"`returns`={returns!r} is not one of {RETURNS}. HINT: use 'rollout' (realised) or 'lines'.")
+    check_int("horizon", horizon, minimum=1, hint="e.g. 4 (epochs a rollout return runs over)")
+
+
 def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, explore: float,
              gamma: float, record: bool = True, online: bool = False,
              predictor: Any = None, returns: str = "rollout",
@@ -117,8 +125,7 @@ def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, expl
     included) in epochs of the staying fork's. This prices what the lines miss: the planner's refit after a
     move, nonlinear step curves, the co-runner's true slowdown. ``"lines"``: the discounted saving of the true
     noise-free lines (placements held, until the ranks change), less the restart cost."""
-    if returns not in RETURNS:
-        raise ValueError(f"`returns`={returns!r} is not one of {RETURNS}. HINT: use 'rollout' (realised) or 'lines'.")
+    _check_returns(returns, horizon)
     sc = load_scenario(dict(scenario))
     truth = _Truth(sc, seed) if returns == "lines" else None
     rel = LearnedRelocator(net, predictor=predictor, workload=sc.workload, restart_cost=sc.restart_cost, gamma=gamma,
@@ -240,6 +247,7 @@ def pretrain_placement(
 
     Returns the kept network and the training statistics (samples, rounds, validation history).
     """
+    _check_returns(returns, horizon)
     get = scenarios or relocation_scenarios
     train = [s for s in get("train", train_count, family) if s.get("free_slots")]  # no free slot: nothing to learn
     val = [s for s in get("val", val_count, family) if s.get("free_slots")]
