@@ -23,6 +23,14 @@ def test_the_relocator_knows_its_models_vocabulary(tmp_path):
     assert Relocator(small).known_names() == {"workload": ["train"], "device": ["gpu"], "corunner": ["video"]}
     small.save(tmp_path / "ncf.npz")
     assert Relocator(str(tmp_path / "ncf.npz")).known_names()["device"] == ["gpu"]
+    # a correction object tells its predictor's names too (it used to answer "cannot tell")
+    from hetero_plugins.scheduler.interference import InterferenceCorrection
+    assert Relocator(InterferenceCorrection(small)).known_names()["corunner"] == ["video"]
+
+    class Bare:  # a predictor without a vocabulary
+        def predict(self, workload, device, corunner):
+            return 1.5
+    assert Relocator(Bare()).known_names() is None
 
 
 def test_known_names_pass_quietly():

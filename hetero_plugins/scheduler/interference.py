@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins.scheduler.ncf import InterferencePredictor
+from hetero_plugins.scheduler.ncf import SOLO, InterferencePredictor
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,22 @@ class InterferenceCorrection:
         self._cache: dict[tuple[str, str, str | None], float | None] = {}
         self.corrections = 0  #: ranks whose line was corrected so far
 
+    @property
+    def predictor(self) -> Any:
+        """The predictor itself (a model file or the shipped model is read on first use)."""
+        if self._predictor is None:
+            self._predictor = InterferencePredictor.load(self._source)
+        return self._predictor
+
+    def known_names(self) -> dict[str, list[str]] | None:
+        """The names the predictor knows, ``{"workload": [...], "device": [...], "corunner": [...]}`` (co-runners
+        without ``"none"``, which stands for no co-runner); ``None`` for a predictor without a vocabulary."""
+        names = [getattr(self.predictor, a, None) for a in ("workloads", "devices", "corunners")]
+        if any(not isinstance(v, (list, tuple)) for v in names):
+            return None
+        return {"workload": list(names[0]), "device": list(names[1]),
+                "corunner": [c for c in names[2] if c != SOLO]}
+
     def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
         """The predicted slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one; ``None``
         when the predictor does not know a name)."""
@@ -65,10 +81,8 @@ class InterferenceCorrection:
             if corunner is None:
                 self._cache[key] = 1.0
             else:
-                if self._predictor is None:
-                    self._predictor = InterferencePredictor.load(self._source)
                 try:
-                    self._cache[key] = float(self._predictor.predict(workload, device, corunner))
+                    self._cache[key] = float(self.predictor.predict(workload, device, corunner))
                 except ValueError as err:
                     self._cache[key] = self._borrowed(workload, device, corunner)
                     if self._cache[key] is None:
@@ -101,12 +115,13 @@ class InterferenceCorrection:
         return out
 
 
-def interference_correction(value: Any) -> InterferenceCorrection | None:
+def interference_correction(value: Any, unseen_device: str = "mean") -> InterferenceCorrection | None:
     """The :class:`InterferenceCorrection` an ``interference=`` option asks for.
 
     ``True``: the shipped NCF; ``False`` / ``None``: no correction (``None`` returned); an
-    ``InterferenceCorrection`` passes through; an ``InterferencePredictor`` (anything with ``predict``) or the
-    path of an NCF model file is wrapped.
+    ``InterferenceCorrection`` passes through (with its own ``unseen_device``); an ``InterferencePredictor``
+    (anything with ``predict``) or the path of an NCF model file is wrapped. A correction built here gets
+    ``unseen_device``.
 
     Example::
 
@@ -116,10 +131,10 @@ def interference_correction(value: Any) -> InterferenceCorrection | None:
     if value is False or value is None:
         return None
     if value is True:
-        return InterferenceCorrection()
+        return InterferenceCorrection(unseen_device=unseen_device)
     if isinstance(value, InterferenceCorrection):
         return value
     if isinstance(value, (str, Path)) or hasattr(value, "predict"):
-        return InterferenceCorrection(value)
+        return InterferenceCorrection(value, unseen_device=unseen_device)
     raise ValueError(f"`interference`={value!r} is not usable. HINT: pass True (the shipped NCF), False (no "
                      "correction), an InterferencePredictor or the path of an NCF model file.")

@@ -28,7 +28,6 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,6 @@ from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.balancing.allocators import Allocator, fitted_models, min_makespan_split, register_allocator
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.interference import interference_correction
-from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.safety import GuardedRelocator
 
 log = logging.getLogger(__name__)
@@ -97,7 +95,8 @@ class DQNAllocator(Allocator):
             simulator does; Lightning runs do with ``cluster=``).
         unseen_device: what a device type the NCF was not trained on gets: ``"mean"`` (default) the mean of
             the NCF's predictions over the device types it knows (the co-runner's typical slowdown; needs a
-            predictor with a ``devices`` vocabulary), ``"skip"`` no correction for that rank.
+            predictor with a ``devices`` vocabulary), ``"skip"`` no correction for that rank. A given
+            ``InterferenceCorrection`` keeps its own.
 
     The options of the former chunk-assignment network (``model``, ``chunks_per_rank``, ``parallel``,
     ``online*``, ``seed``) are refused with a ``ValueError`` that says why.
@@ -117,10 +116,7 @@ class DQNAllocator(Allocator):
         if unseen_device not in ("mean", "skip"):
             raise ValueError(f"`unseen_device`={unseen_device!r} is not an option. HINT: use 'mean' or 'skip'.")
         self.unseen_device = unseen_device
-        self.correction = interference_correction(interference)
-        self._source = interference
-        self._vocabulary: list[str] | None = None
-        self._mean_cache: dict[tuple[str, str], float | None] = {}
+        self.correction = interference_correction(interference, unseen_device)
         self._corunner_ctx: tuple[str, list[str], list[str | None], list[str | None]] | None = None
         self._factors: np.ndarray | None = None
 
@@ -162,36 +158,10 @@ class DQNAllocator(Allocator):
         ctx, self._corunner_ctx = self._corunner_ctx, None
         return ctx if ctx is not None and len(ctx[1]) == n else None
 
-    def _devices_known(self) -> list[str]:
-        if self._vocabulary is None:
-            source = self._source
-            if source is True or isinstance(source, (str, Path)):
-                try:
-                    source = InterferencePredictor.load(None if source in (None, True) else source)
-                except (OSError, ValueError):
-                    source = None
-            devices = getattr(source, "devices", None)
-            self._vocabulary = list(devices) if isinstance(devices, (list, tuple)) else []
-        return self._vocabulary
-
     def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
-        """The NCF's slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one); for a device type
-        it does not know, with ``unseen_device="mean"``, the mean over the device types it knows; ``None``:
-        unknown."""
-        if self.correction is None:
-            return None
-        known = self._devices_known() if self.unseen_device == "skip" and corunner is not None else []
-        if known and device not in known:
-            return None  # the correction may fill unseen devices in itself (its own unseen_device)
-        s = self.correction.slowdown(workload, device, corunner)
-        if s is not None or corunner is None or self.unseen_device != "mean":
-            return s
-        key = (workload, corunner)
-        if key not in self._mean_cache:
-            known = [self.correction.slowdown(workload, d, corunner) for d in self._devices_known()]
-            known = [x for x in known if x is not None]
-            self._mean_cache[key] = float(np.mean(known)) if known else None
-        return self._mean_cache[key]
+        """The NCF's slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one; a device type it
+        does not know is handled by the correction's ``unseen_device``); ``None``: unknown."""
+        return None if self.correction is None else self.correction.slowdown(workload, device, corunner)
 
     def ncf_factors(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None, n: int) -> np.ndarray:
         """Per-rank NCF multipliers of the fitted lines for ``ctx``: ``NCF(next) / NCF(measured)`` (1 where

@@ -38,7 +38,7 @@ import numpy as np
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.scheduler.interference import InterferenceCorrection, interference_correction
-from hetero_plugins.scheduler.ncf import SOLO, InterferencePredictor
+from hetero_plugins.scheduler.ncf import InterferencePredictor
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.restart_spec import (
     check_relocation_spec,
@@ -115,8 +115,6 @@ class Relocator:
                              "None/True (the shipped model), an InterferencePredictor or a model file.")
         self.correction: InterferenceCorrection = interference_correction(  # type: ignore[assignment]
             True if predictor is None else predictor)
-        self._source = predictor
-        self._vocabulary: dict[str, list[str]] | None = None
         if not isinstance(workload, str) or not workload:
             raise ValueError(f"`workload`={workload!r} is invalid. HINT: use a workload name such as 'training'.")
         self.workload = workload
@@ -132,19 +130,9 @@ class Relocator:
 
     def known_names(self) -> dict[str, list[str]] | None:
         """The names the relocator's NCF knows, ``{"workload": [...], "device": [...], "corunner": [...]}``
-        (co-runners without ``"none"``, which stands for no co-runner); ``None`` when it cannot tell (an
-        :class:`~hetero_plugins.scheduler.interference.InterferenceCorrection` or a predictor without a
-        vocabulary was given). A model file or the shipped model is read once for this."""
-        if self._vocabulary is None:
-            source = self._source
-            if source is None or source is True or isinstance(source, (str, Path)):
-                source = InterferencePredictor.load(None if source in (None, True) else source)
-            names = [getattr(source, a, None) for a in ("workloads", "devices", "corunners")]
-            if isinstance(source, InterferenceCorrection) or any(not isinstance(v, (list, tuple)) for v in names):
-                return None
-            self._vocabulary = {"workload": list(names[0]), "device": list(names[1]),
-                                "corunner": [c for c in names[2] if c != SOLO]}
-        return self._vocabulary
+        (co-runners without ``"none"``, which stands for no co-runner); ``None`` for a predictor without a
+        vocabulary (see :meth:`~hetero_plugins.scheduler.interference.InterferenceCorrection.known_names`)."""
+        return self.correction.known_names()
 
     def solo_lines(self, devices: Sequence[str], corunners: Sequence[str | None],
                    lines: Sequence[tuple[float, float]], workload: str | None = None) -> dict[str, tuple[float, float]]:
