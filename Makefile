@@ -45,7 +45,7 @@ bench-aggregation: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-.PHONY: gpu-check bench-balancing
+.PHONY: gpu-check bench-balancing bench-placement
 
 # What runs on one NVIDIA GPU (NVML, NCCL, two ranks sharing it, the memory cap, MPS), as a table; < 5 min.
 # Without a GPU it says so and exits 0 (see docs/gpu.md).
@@ -55,3 +55,7 @@ gpu-check: $(STAMP)
 # The balancing core's decision latency at 1024 ranks and the oracle bound on the simulator.
 bench-balancing: $(STAMP)
 	$(PY) benchmarks/balancing_bench.py --out bench_output/balancing.json
+
+# What any choice among the learned relocator's moves could reach, and what of it is foresight (~4 min a split).
+bench-placement: $(STAMP)
+	$(PY) benchmarks/placement_ceiling.py --split val --out bench_output/placement_ceiling_val.json

@@ -161,6 +161,46 @@ def test_a_branch_of_the_run_replays_its_future_and_leaves_it_untouched():
         run.branch(None, 1)
 
 
+def test_a_branch_can_draw_its_own_noise_or_forget_the_future():
+    """``branch(seed=...)`` plays the fork under other noise (deterministically); ``known_future=False`` plays it
+    as if what is announced at the boundary lasted: exactly the run of the same cluster without its later
+    events."""
+    import dataclasses
+
+    from hetero_plugins.scheduler.relocation import Relocation
+    from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
+    from hetero_plugins.scheduler.sim.loop import SimulationRun
+
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])  # co-runner events at epochs 2, 4, 6 and 7
+    seen: dict[int, tuple[float, float, float, float, float]] = {}
+
+    class Probe:
+        def propose(self, **kw):
+            e = run.boundary[0]
+            seen[e] = (run.branch(None, 3), run.branch(None, 3, seed=3), run.branch(None, 3, seed=11),
+                       run.branch(None, 3, seed=11), run.branch(None, 3, known_future=False))
+            return Relocation([None] * len(kw["devices"]), list(kw["lines"]), 1.0, 1.0)
+
+    run = SimulationRun(ClusterSim(sc, seed=3), "equal_finish", None, 0.03, True, Probe())
+    for e in range(run.epochs):
+        run.epoch(e)
+    assert 2 in seen
+    for e, (own, same_seed, other, other_again, frozen) in seen.items():
+        assert same_seed == own and other == other_again
+        assert other != own  # 2% noise: other draws, other seconds
+        cut = dataclasses.replace(sc, events=tuple(ev for ev in sc.events if ev["epoch"] <= e + 1))
+        truth = simulate(cut, "equal_finish", seed=3)["epoch_times"][e + 1:e + 4]
+        assert frozen == pytest.approx(sum(truth), rel=1e-12)
+    assert seen[2][4] != pytest.approx(seen[2][0], rel=1e-9)  # the arrival at epoch 4 is forgotten
+    with pytest.raises(ValueError, match="horizon"):
+        class Bad:
+            def propose(self, **kw):
+                run2.branch(None, 0)
+        run2 = SimulationRun(ClusterSim(sc, seed=3), "equal_finish", None, 0.03, True, Bad())
+        for e in range(run2.epochs):
+            run2.epoch(e)
+
+
 def test_rollout_returns_are_realised_savings():
     """A pre-training episode's returns read from forked runs: one per candidate met, finite, and in epochs of
     the staying fork (a move pays its restart, so no return exceeds the epochs rolled out)."""
@@ -194,3 +234,25 @@ def test_keep_greedy_takes_the_greedy_move_unless_the_network_vetoes_it():
     assert LearnedRelocator(gloomy, restart_cost=0.0, veto=10.0).propose(**kw).moves == [(1, 0)]
     with pytest.raises(ValueError, match="veto"):
         LearnedRelocator(restart_cost=0.0, veto=-1.0)
+
+
+def test_the_placement_ceiling_benchmark_runs_its_rollout_choosers(tmp_path):
+    """``benchmarks/placement_ceiling.py`` on the first validation cluster with churn and free slots: every
+    policy runs, the JSON holds the rows and the summary, and choosing each boundary's move by its realised
+    return (the clairvoyant rollout chooser) does better than staying and than the greedy rule there."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "placement_ceiling.py"
+    spec = importlib.util.spec_from_file_location("placement_ceiling", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ceiling.json"
+    result = mod.main(["--split", "val", "--count", "2", "--horizon", "3", "--noise-draws", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["clusters"] == result["clusters"] == 1 and set(saved["summary"]) == set(mod.POLICIES)
+    row = saved["rows"][0]
+    assert all(row[p] > 0 for p in mod.POLICIES)
+    assert row["clairvoyant"] > row["none"] and row["clairvoyant"] > row["greedy"]
+    with pytest.raises(SystemExit):
+        mod.main(["--horizon", "0", "--out", str(out)])

@@ -4,6 +4,7 @@ pre-training the DQN."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins._validation import check_int
 from hetero_plugins.balancing.allocators import Allocator, Bounds, EqualFinishAllocator, get_allocator
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.time_model import TimeModelParams
@@ -278,13 +280,24 @@ class SimulationRun:
                                    "predicted_gain": decision.predicted_gain})
         self.decide[-1] += time.perf_counter() - t0
 
-    def branch(self, decision: Any, horizon: int) -> float:
+    def branch(self, decision: Any, horizon: int, seed: int | None = None, known_future: bool = True) -> float:
         """Seconds the next ``horizon`` epochs take (restart cost included) if ``decision`` (a
         :class:`~hetero_plugins.scheduler.relocation.Relocation`, ``None``: stay) is applied at the boundary being
-        decided and nobody moves after: a forked copy of the run under the same noise, this run untouched. Only
-        while a relocator decides (placement pre-training reads realised returns from it)."""
+        decided and nobody moves after: a forked copy of the run, this run untouched. Only while a relocator
+        decides (placement pre-training reads realised returns from it).
+
+        Args:
+            decision: the relocation applied in the fork (``None``: stay).
+            horizon: epochs played forward (fewer when the run ends sooner).
+            seed: the fork's noise seed (``None``: the run's own, so the fork replays the run's noise; another
+                value gives independent noise, to tell what a choice owes to knowing the noise).
+            known_future: ``False`` drops the co-runner, speed, ramp and slot events after the next epoch from
+                the fork, as if what is announced at this boundary lasted (rank arrivals and losses stay): the
+                fork then knows the cluster's true step-time curves and interference but not its future.
+        """
         if self.boundary is None:
             raise RuntimeError("branch() is only available while a relocator decides (inside its propose call).")
+        check_int("horizon", horizon, minimum=1, hint="e.g. 4")
         relocator, self.relocator = self.relocator, None
         try:
             fork = copy.deepcopy(self)
@@ -292,6 +305,13 @@ class SimulationRun:
             self.relocator = relocator
         e, *args = fork.boundary
         fork.boundary = None
+        if seed is not None:
+            fork.sim.seed = int(seed)
+        if not known_future:
+            sc = fork.sim.scenario
+            fork.sim.scenario = fork.sc = dataclasses.replace(
+                sc, events=tuple(ev for ev in sc.events if ev["epoch"] <= e + 1),
+                slot_events=tuple(ev for ev in sc.slot_events if ev["epoch"] <= e + 1))
         if decision is not None and decision.moves:
             fork.relocator = _Decided(decision)
             fork.relocate(e, *args)

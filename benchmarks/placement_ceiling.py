@@ -1,0 +1,143 @@
+"""How much better than the greedy rule can any choice among the learned relocator's moves be, and why?
+
+The learned placement target (>= 1.05x the greedy ``Relocator``) is a claim about choosing among candidate
+moves (:func:`~hetero_plugins.scheduler.placement_policy.candidate_actions`: stay, the greedy placement, single
+moves of the slowest ranks, moves back home). This benchmark bounds it with *rollout choosers*: at every epoch
+boundary each candidate is played forward ``--horizon`` epochs in a fork of the simulated run
+(:meth:`~hetero_plugins.scheduler.sim.loop.SimulationRun.branch`, nobody moving after) and the candidate that
+saves the most seconds over staying, restart included, is taken (none: stay). What the fork is allowed to know
+separates three sources of the margin:
+
+- ``clairvoyant``: the run's own noise and its future (co-runner arrivals and departures, slots freed and
+  taken): the most any one-decision-at-a-time chooser among these moves can reach;
+- ``indep_noise``: the future, but noise drawn independently (mean of ``--noise-draws`` forks): the share of
+  the margin owed to knowing the noise;
+- ``true_model``: independent noise and no future (what is announced at the boundary lasts): a chooser that
+  knows the cluster's true step-time curves and interference, nothing a real scheduler could not know at that
+  moment except those curves. Its margin over ``greedy`` is what better pricing of the moves could win; the
+  rest of ``clairvoyant``'s is foresight.
+
+Beside them: ``none``, ``greedy`` and ``learned`` (the shipped network), all with ``equal_finish`` splitting.
+Ratios are averaged over the split's clusters that have co-runner churn and free slots.
+
+    python benchmarks/placement_ceiling.py --split val --out bench_output/placement_ceiling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetero_plugins.scheduler.measured import load_measured_predictor
+from hetero_plugins.scheduler.placement_policy import PLACEMENT_FEATURES, LearnedRelocator, candidate_decision, make_relocator
+from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
+from hetero_plugins.scheduler.sim.family import family_scenarios
+from hetero_plugins.scheduler.sim.loop import SimulationRun
+
+#: The rollout choosers: (fork noise, fork knows the future).
+CHOOSERS = {"clairvoyant": ("own", True), "indep_noise": ("independent", True), "true_model": ("independent", False)}
+POLICIES = ("none", "greedy", "learned", *CHOOSERS)
+
+
+class RolloutChooser(LearnedRelocator):
+    """Chooses among the learned relocator's candidates by their realised return in forks of the run."""
+
+    def __init__(self, scenario: Any, predictor: Any, horizon: int, noise: str, known_future: bool,
+                 draws: int) -> None:
+        super().__init__(predictor=predictor, workload=scenario.workload, restart_cost=scenario.restart_cost,
+                         keep_greedy=False, online=False, margin=0.0)
+        self.horizon, self.noise, self.known_future, self.draws = horizon, noise, known_future, draws
+        self.run: SimulationRun | None = None
+        self._pending: tuple[list[dict[str, Any]], dict[str, Any]] | None = None
+        self.net = self._returns  # type: ignore[assignment]  # the "network" is the rollouts
+
+    def features(self, cands: list[dict[str, Any]], ctx: Any) -> np.ndarray:
+        self._pending = (cands, dict(ctx))
+        return np.zeros((len(cands), len(PLACEMENT_FEATURES)))
+
+    def _returns(self, _x: np.ndarray) -> np.ndarray:
+        assert self.run is not None and self._pending is not None
+        cands, ctx = self._pending
+        run, unit = self.run, ctx["t_cur"] * ctx["steps"]
+        seeds: list[int | None] = [None] if self.noise == "own" else \
+            [10_007 * (k + 1) + 31 * run.sim.seed + ctx["epoch"] for k in range(self.draws)]
+        out = np.zeros(len(cands))
+        for seed in seeds:
+            stay = run.branch(None, self.horizon, seed=seed, known_future=self.known_future)
+            for j, c in enumerate(cands):
+                moved = candidate_decision(c, ctx["incoming"], ctx["lines"], ctx["t_cur"])
+                out[j] += (stay - run.branch(moved, self.horizon, seed=seed, known_future=self.known_future)) / unit
+        return out / len(seeds)
+
+
+def run_policy(name: str, sc: Any, seed: int, predictor: Any, horizon: int, draws: int) -> float:
+    """Steady samples per second of ``equal_finish`` beside relocation policy ``name``."""
+    if name in CHOOSERS:
+        noise, known = CHOOSERS[name]
+        rel: Any = RolloutChooser(sc, predictor, horizon, noise, known, draws)
+    else:
+        rel = make_relocator(name, sc, predictor=predictor)
+    run = SimulationRun(ClusterSim(sc, seed=seed), "equal_finish", None, 0.03, True, rel)
+    if isinstance(rel, RolloutChooser):
+        rel.run = run
+    for e in range(run.epochs):
+        run.epoch(e)
+    return float(run.result()["steady_samples_per_s"])
+
+
+def has_churn_and_slots(spec: dict[str, Any]) -> bool:
+    return bool(spec.get("free_slots")) and any("corunner" in ev for ev in spec.get("events", []))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", default="val", choices=("train", "val", "test"),
+                        help="family split (default val; the test split is for reporting only)")
+    parser.add_argument("--count", type=int, default=20, help="scenarios of the split to scan (default 20)")
+    parser.add_argument("--seeds", type=int, default=1, help="noise seeds per cluster (default 1)")
+    parser.add_argument("--horizon", type=int, default=4, help="epochs each fork plays forward (default 4)")
+    parser.add_argument("--noise-draws", type=int, default=2, help="independent-noise forks per candidate (default 2)")
+    parser.add_argument("--out", default="bench_output/placement_ceiling.json")
+    args = parser.parse_args(argv)
+    for opt in ("count", "seeds", "horizon", "noise_draws"):
+        if getattr(args, opt) < 1:
+            parser.error(f"--{opt.replace('_', '-')} must be >= 1, got {getattr(args, opt)}")
+    predictor = load_measured_predictor()
+    specs = [s for s in family_scenarios(args.split, args.count) if has_churn_and_slots(s)]
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for k, spec in enumerate(specs):
+        sc = load_scenario(spec)
+        row: dict[str, Any] = {"scenario": sc.name, "world_size": sc.world_size}
+        for name in POLICIES:
+            row[name] = float(np.mean([run_policy(name, sc, s, predictor, args.horizon, args.noise_draws)
+                                       for s in range(args.seeds)]))
+        rows.append(row)
+        print(f"[{k + 1}/{len(specs)}] {sc.name:>12} ({sc.world_size} ranks) vs greedy: "
+              + " ".join(f"{p} {row[p] / row['greedy']:.3f}" for p in POLICIES if p != "greedy")
+              + f"  ({time.time() - t0:.0f} s)", flush=True)
+    summary = {p: {"vs_greedy": float(np.mean([r[p] / r["greedy"] for r in rows])),
+                   "vs_none": float(np.mean([r[p] / r["none"] for r in rows])),
+                   "min_vs_none": float(min(r[p] / r["none"] for r in rows))} for p in POLICIES} if rows else {}
+    result = {"split": args.split, "count": args.count, "seeds": args.seeds, "horizon": args.horizon,
+              "noise_draws": args.noise_draws, "clusters": len(rows), "seconds": round(time.time() - t0, 1),
+              "machine": platform.platform(), "summary": summary, "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\n{args.split} split, {len(rows)} clusters with churn and free slots, {args.seeds} seed(s), "
+          f"horizon {args.horizon}:\n\n| policy | vs greedy | vs none | worst vs none |\n|---|---|---|---|")
+    for p, s in summary.items():
+        print(f"| {p} | {s['vs_greedy']:.3f} | {s['vs_none']:.3f} | {s['min_vs_none']:.3f} |")
+    print(f"\nwrote {out} ({time.time() - t0:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
