@@ -56,6 +56,6 @@ gpu-check: $(STAMP)
 bench-balancing: $(STAMP)
 	$(PY) benchmarks/balancing_bench.py --out bench_output/balancing.json
 
-# What any choice among the learned relocator's moves could reach, and what of it is foresight (~4 min a split).
+# What any choice among the learned relocator's moves could reach, and what of it is foresight (~7 min).
 bench-placement: $(STAMP)
 	$(PY) benchmarks/placement_ceiling.py --split val --out bench_output/placement_ceiling_val.json

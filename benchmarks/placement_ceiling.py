@@ -15,7 +15,14 @@ separates three sources of the margin:
 - ``true_model``: independent noise and no future (what is announced at the boundary lasts): a chooser that
   knows the cluster's true step-time curves and interference, nothing a real scheduler could not know at that
   moment except those curves. Its margin over ``greedy`` is what better pricing of the moves could win; the
-  rest of ``clairvoyant``'s is foresight.
+  rest of ``clairvoyant``'s is foresight;
+- ``true_lines``: as ``true_model``, but the forks run the true curves' line parts (saturation plateaus and
+  memory cliffs removed, interference still true): the share owed to the curves' shape;
+- ``believed``: as ``true_model``, but the forks run what the relocator believes at the boundary: each rank's
+  fitted line rescaled by the NCF to its place's co-runner, each free slot priced as the relocator prices it
+  (data times, noise level and the planner's own dynamics are the cluster's). Everything it uses is known to a
+  scheduler at that moment, so it is a model-based relocator, not a bound: what planning with one's own model
+  (rolling the planner forward on the fitted state) wins over the greedy rule's one-line payback test.
 
 Beside them: ``none``, ``greedy`` and ``learned`` (the shipped network), all with ``equal_finish`` splitting.
 Ratios are averaged over the split's clusters that have co-runner churn and free slots.
@@ -40,8 +47,11 @@ from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
 from hetero_plugins.scheduler.sim.family import family_scenarios
 from hetero_plugins.scheduler.sim.loop import SimulationRun
 
-#: The rollout choosers: (fork noise, fork knows the future).
-CHOOSERS = {"clairvoyant": ("own", True), "indep_noise": ("independent", True), "true_model": ("independent", False)}
+#: The rollout choosers: (fork noise, fork knows the future, what the forks' places run: the true curves,
+#: their lines, or the relocator's belief).
+CHOOSERS = {"clairvoyant": ("own", True, "curves"), "indep_noise": ("independent", True, "curves"),
+            "true_model": ("independent", False, "curves"), "true_lines": ("independent", False, "lines"),
+            "believed": ("independent", False, "belief")}
 POLICIES = ("none", "greedy", "learned", *CHOOSERS)
 
 
@@ -49,10 +59,11 @@ class RolloutChooser(LearnedRelocator):
     """Chooses among the learned relocator's candidates by their realised return in forks of the run."""
 
     def __init__(self, scenario: Any, predictor: Any, horizon: int, noise: str, known_future: bool,
-                 draws: int) -> None:
+                 draws: int, places: str = "curves") -> None:
         super().__init__(predictor=predictor, workload=scenario.workload, restart_cost=scenario.restart_cost,
                          keep_greedy=False, online=False, margin=0.0)
         self.horizon, self.noise, self.known_future, self.draws = horizon, noise, known_future, draws
+        self.places = places
         self.run: SimulationRun | None = None
         self._pending: tuple[list[dict[str, Any]], dict[str, Any]] | None = None
         self.net = self._returns  # type: ignore[assignment]  # the "network" is the rollouts
@@ -67,20 +78,45 @@ class RolloutChooser(LearnedRelocator):
         run, unit = self.run, ctx["t_cur"] * ctx["steps"]
         seeds: list[int | None] = [None] if self.noise == "own" else \
             [10_007 * (k + 1) + 31 * run.sim.seed + ctx["epoch"] for k in range(self.draws)]
+        kw = {"known_future": self.known_future, "believed": self._believed(ctx)}
         out = np.zeros(len(cands))
         for seed in seeds:
-            stay = run.branch(None, self.horizon, seed=seed, known_future=self.known_future)
+            stay = run.branch(None, self.horizon, seed=seed, **kw)
             for j, c in enumerate(cands):
                 moved = candidate_decision(c, ctx["incoming"], ctx["lines"], ctx["t_cur"])
-                out[j] += (stay - run.branch(moved, self.horizon, seed=seed, known_future=self.known_future)) / unit
+                out[j] += (stay - run.branch(moved, self.horizon, seed=seed, **kw)) / unit
         return out / len(seeds)
+
+    def _believed(self, ctx: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per place, the line the forks run (``None``: the true curves)."""
+        assert self.run is not None and self.run.boundary is not None
+        sim = self.run.sim
+        e, _, here, _, _, _, co_next = self.run.boundary
+        a, b, _ = sim.place_params(e + 1)  # the true lines of the next epoch
+        if self.places == "curves":
+            return None
+        if self.places == "lines":
+            return a, b
+        a, b = a.copy(), b.copy()  # a place the relocator cannot price keeps its true line
+        devices, wl = sim.place_devices(), ctx["workload"]
+        at = {int(p): i for i, p in enumerate(here)}
+        for p in range(sim.places):
+            s1 = self.slowdown(devices[p], co_next[p], wl)
+            if p in at:
+                i = at[p]
+                s0 = self.slowdown(devices[p], ctx["corunners"][i], wl)
+                if s0 and s1:
+                    a[p], b[p] = ctx["lines"][i][0] / s0 * s1, ctx["lines"][i][1] / s0 * s1
+            elif s1 and devices[p] in ctx["solo"]:
+                a[p], b[p] = ctx["solo"][devices[p]][0] * s1, ctx["solo"][devices[p]][1] * s1
+        return a, b
 
 
 def run_policy(name: str, sc: Any, seed: int, predictor: Any, horizon: int, draws: int) -> float:
     """Steady samples per second of ``equal_finish`` beside relocation policy ``name``."""
     if name in CHOOSERS:
-        noise, known = CHOOSERS[name]
-        rel: Any = RolloutChooser(sc, predictor, horizon, noise, known, draws)
+        noise, known, places = CHOOSERS[name]
+        rel: Any = RolloutChooser(sc, predictor, horizon, noise, known, draws, places)
     else:
         rel = make_relocator(name, sc, predictor=predictor)
     run = SimulationRun(ClusterSim(sc, seed=seed), "equal_finish", None, 0.03, True, rel)

@@ -164,21 +164,30 @@ def test_a_branch_of_the_run_replays_its_future_and_leaves_it_untouched():
 def test_a_branch_can_draw_its_own_noise_or_forget_the_future():
     """``branch(seed=...)`` plays the fork under other noise (deterministically); ``known_future=False`` plays it
     as if what is announced at the boundary lasted: exactly the run of the same cluster without its later
-    events."""
+    events; ``believed=`` runs the fork's places on given lines."""
     import dataclasses
 
     from hetero_plugins.scheduler.relocation import Relocation
     from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
     from hetero_plugins.scheduler.sim.loop import SimulationRun
 
-    sc = load_scenario(BUILTIN_SCENARIOS["interference"])  # co-runner events at epochs 2, 4, 6 and 7
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])  # co-runner events at epochs 2, 4, 6 and 7; linear curves
     seen: dict[int, tuple[float, float, float, float, float]] = {}
+    believed_checked: list[int] = []
 
     class Probe:
         def propose(self, **kw):
             e = run.boundary[0]
             seen[e] = (run.branch(None, 3), run.branch(None, 3, seed=3), run.branch(None, 3, seed=11),
                        run.branch(None, 3, seed=11), run.branch(None, 3, known_future=False))
+            # believing the true lines of a linear cluster whose future is frozen is the frozen branch itself;
+            # believing every place twice as slow per sample costs more
+            a, b, _ = run.sim.place_params(e + 1)
+            assert run.branch(None, 3, known_future=False, believed=(a, b)) == pytest.approx(seen[e][4], rel=1e-12)
+            assert run.branch(None, 3, known_future=False, believed=(a, 2 * b)) > seen[e][4]
+            with pytest.raises(ValueError, match="believed"):
+                run.branch(None, 3, believed=(a[:-1], b[:-1]))
+            believed_checked.append(e)
             return Relocation([None] * len(kw["devices"]), list(kw["lines"]), 1.0, 1.0)
 
     run = SimulationRun(ClusterSim(sc, seed=3), "equal_finish", None, 0.03, True, Probe())
@@ -192,6 +201,7 @@ def test_a_branch_can_draw_its_own_noise_or_forget_the_future():
         truth = simulate(cut, "equal_finish", seed=3)["epoch_times"][e + 1:e + 4]
         assert frozen == pytest.approx(sum(truth), rel=1e-12)
     assert seen[2][4] != pytest.approx(seen[2][0], rel=1e-9)  # the arrival at epoch 4 is forgotten
+    assert believed_checked, "the believed-lines branch was never checked"
     with pytest.raises(ValueError, match="horizon"):
         class Bad:
             def propose(self, **kw):

@@ -280,7 +280,8 @@ class SimulationRun:
                                    "predicted_gain": decision.predicted_gain})
         self.decide[-1] += time.perf_counter() - t0
 
-    def branch(self, decision: Any, horizon: int, seed: int | None = None, known_future: bool = True) -> float:
+    def branch(self, decision: Any, horizon: int, seed: int | None = None, known_future: bool = True,
+               believed: tuple[Sequence[float], Sequence[float]] | None = None) -> float:
         """Seconds the next ``horizon`` epochs take (restart cost included) if ``decision`` (a
         :class:`~hetero_plugins.scheduler.relocation.Relocation`, ``None``: stay) is applied at the boundary being
         decided and nobody moves after: a forked copy of the run, this run untouched. Only while a relocator
@@ -294,6 +295,10 @@ class SimulationRun:
             known_future: ``False`` drops the co-runner, speed, ramp and slot events after the next epoch from
                 the fork, as if what is announced at this boundary lasted (rank arrivals and losses stay): the
                 fork then knows the cluster's true step-time curves and interference but not its future.
+            believed: per place (the ranks' own, then the free slots), the ``(intercepts, slopes)`` of a
+                belief about the cluster, e.g. a scheduler's fitted lines and NCF-priced slots: the fork's steps
+                take these linear times for every epoch it plays instead of the true curves (data times and noise
+                stay the cluster's), so a choice can be judged on what the scheduler knows.
         """
         if self.boundary is None:
             raise RuntimeError("branch() is only available while a relocator decides (inside its propose call).")
@@ -316,6 +321,12 @@ class SimulationRun:
             fork.relocator = _Decided(decision)
             fork.relocate(e, *args)
             fork.relocator = None
+        if believed is not None:
+            a, b = (np.asarray(x, dtype=np.float64) for x in believed)
+            if a.shape != (fork.sim.places,) or b.shape != (fork.sim.places,):
+                raise ValueError(f"`believed` needs one intercept and one slope per place ({fork.sim.places}), got "
+                                 f"{a.shape} and {b.shape}. HINT: the ranks' own places first, then the free slots.")
+            fork.sim = _BelievedCluster(fork.sim, a, b)  # type: ignore[assignment]
         done = len(fork.epoch_times)
         for k in range(e + 1, min(e + 1 + int(horizon), fork.epochs)):
             fork.epoch(k)
@@ -343,6 +354,22 @@ class SimulationRun:
             "plans": self.plans,
             "decision_ms": 1000.0 * float(np.mean(self.decide)),
         }
+
+
+class _BelievedCluster:
+    """A cluster whose places run believed linear lines (a branch's ``believed``); all else is the cluster's."""
+
+    def __init__(self, sim: ClusterSim, intercept: np.ndarray, slope: np.ndarray) -> None:
+        self._sim, self._a, self._b = sim, intercept, slope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sim, name)
+
+    def place_params(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._a, self._b, self._sim.place_params(epoch)[2]
+
+    def work(self, plan: Sequence[int] | np.ndarray, places: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        return np.asarray(plan, dtype=np.float64)
 
 
 class _Decided:
