@@ -2,7 +2,8 @@
 
 - Stage 1 (LDWP): the batch split is exact (``min_makespan_split``) under any placement;
   :class:`DQNAllocator` (``allocator="dqn"``) splits on the fitted lines corrected by stage 2 for announced
-  co-runners, and the placement Q-network (``placement_policy.LearnedRelocator``) decides relocations;
+  co-runners, and the placement Q-network (``placement_policy.LearnedRelocator``) decides relocations (or,
+  model-based, ``planning.PlanningRelocator``, which rolls the balancing planner forward on its own model);
   :class:`AutoAllocator` (``allocator="auto"``, the default policy) corrects each changed rank by the ratio
   the run measured, else by the NCF while its track record holds, and is ``equal_finish`` when the time models
   are too noisy (its ``guard`` gates relocations the same way). Importing this
@@ -17,7 +18,8 @@
 Modules: ``policy`` (the two allocators), ``dqn`` and ``features`` (the former chunk-assignment network, kept for its
 training commands), ``ncf`` (the
 predictor), ``interference`` (its corrections of time lines), ``placement`` (best placement, equal-finish
-split), ``problem`` (the decision record), ``relocation`` (the relocator), ``restart_spec`` (the restart spec
+split), ``problem`` (the decision record), ``relocation`` (the relocator), ``planning`` (the model-based
+relocator), ``restart_spec`` (the restart spec
 a relocation is written to and resumed from), ``cluster_advisor`` (cluster context for the integrations),
 ``pretrain`` / ``transfer`` / ``commands`` (training and the command line) and ``sim`` (the simulator).
 """

@@ -120,11 +120,13 @@ class ClusterAdvisor:
         params = planner.model_params()
         if any(p is None for p in params):
             return None
-        decision = self._get_relocator().propose(
+        relocator = self._get_relocator()
+        extra = {"planner": planner} if getattr(relocator, "observes_planner", False) else {}  # model-based: rolls it
+        decision = relocator.propose(
             devices=upcoming.devices, corunners=(measured or upcoming).corunners, next_corunners=upcoming.corunners,
             lines=[(p.intercept, p.slope) for p in params], free_slots=upcoming.free_slots,
             global_batch=planner.global_batch, steps_per_epoch=int(steps_per_epoch), epochs_left=int(epochs_left),
-            data=list(data), workload=upcoming.workload)
+            data=list(data), workload=upcoming.workload, **extra)
         new = bool(decision.moves) and decision.moves != self._last_moves
         self._last_moves = decision.moves
         return decision, new

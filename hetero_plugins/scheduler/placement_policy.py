@@ -499,8 +499,9 @@ class LearnedRelocator(Relocator):
         return x
 
 
-#: Relocation policies by name (for benchmarks): no relocation, the greedy Relocator, the learned one.
-RELOCATION_POLICIES = ("none", "greedy", "learned")
+#: Relocation policies by name (for benchmarks): no relocation, the greedy Relocator, the learned one, the
+#: model-based one (:class:`~hetero_plugins.scheduler.planning.PlanningRelocator`).
+RELOCATION_POLICIES = ("none", "greedy", "learned", "planned")
 
 
 def make_relocator(name: str, scenario: Any = None, **kw: Any) -> Relocator | None:
@@ -513,6 +514,9 @@ def make_relocator(name: str, scenario: Any = None, **kw: Any) -> Relocator | No
         return None
     if scenario is not None:
         kw = {"workload": scenario.workload, "restart_cost": scenario.restart_cost, **kw}
+    if name == "planned":
+        from hetero_plugins.scheduler.planning import PlanningRelocator  # imports this module
+        return PlanningRelocator(**kw)
     return Relocator(**kw) if name == "greedy" else LearnedRelocator(**kw)
 
 

@@ -255,6 +255,8 @@ class SimulationRun:
         if getattr(self.relocator, "observes_places", False):
             extra = {"places": [int(p) for p in here], "homes": [int(r) for r in act], "epoch": int(e),
                      "restart_cost": float(self.sc.restart_cost)}
+        if getattr(self.relocator, "observes_planner", False):  # a model-based relocator rolls a copy forward
+            extra["planner"] = planner
         decision = self.relocator.propose(
             devices=[self.pdev[p] for p in here], corunners=[co_now[p] for p in here],
             next_corunners=[co_next[p] for p in here],

@@ -1,0 +1,148 @@
+"""Model-based relocation: the planner rollout against the simulator, and the planning relocator in the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hetero_plugins.balancing.planner import BalancePlanner
+from hetero_plugins.scheduler.planning import PlanningRelocator, planner_rollout
+from hetero_plugins.scheduler.relocation import Relocation, Relocator
+from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, load_scenario, simulate
+from hetero_plugins.scheduler.sim.loop import SimulationRun
+
+
+def _planner(lines, batch=256):
+    p = BalancePlanner(len(lines), batch)
+    for i, line in enumerate(lines):
+        p.seed_model(i, line)
+    p.replan()
+    return p
+
+
+def test_the_rollout_is_the_simulator_on_the_same_lines():
+    """Without noise, rolling the planner forward on the cluster's true lines takes exactly the seconds the
+    simulator's own fork takes on them (its all-reduce time aside): two implementations of one loop."""
+    sc = dataclasses.replace(load_scenario(BUILTIN_SCENARIOS["interference"]), noise=0.0)
+    checked = []
+
+    class Probe:
+        observes_planner = True
+
+        def propose(self, **kw):
+            e = run.boundary[0]
+            here = run.boundary[2]
+            a, b, d = run.sim.place_params(e + 1)
+            lines = [(float(a[p]), float(b[p])) for p in here]
+            got = planner_rollout(kw["planner"], lines, [float(d[p]) for p in here], sc.steps_per_epoch, 3, noise=0.0)
+            fork = run.branch(None, 3, known_future=False, believed=(a, b))
+            epochs = min(3, run.epochs - e - 1)
+            comm = run.sim.allreduce_time(len(here)) * sc.steps_per_epoch * epochs
+            if epochs == 3:
+                assert got == pytest.approx(fork - comm, rel=1e-12)
+                checked.append(e)
+            return Relocation([None] * len(kw["devices"]), list(kw["lines"]), 1.0, 1.0)
+
+    run = SimulationRun(ClusterSim(sc, seed=0), "equal_finish", None, 0.03, True, Probe())
+    for e in range(run.epochs):
+        run.epoch(e)
+    assert len(checked) >= 3
+
+
+def test_the_rollout_leaves_the_planner_alone_and_prices_a_move():
+    p = _planner([(0.01, 0.001), (0.01, 0.004)])
+    plan, lines = list(p.plan), [(m.intercept, m.slope) for m in p.model_params()]
+    slow = planner_rollout(p, lines, [0.0, 0.0], steps=10, horizon=3, noise=0.05, seed=1)
+    assert slow == planner_rollout(p, lines, [0.0, 0.0], steps=10, horizon=3, noise=0.05, seed=1)
+    assert slow != planner_rollout(p, lines, [0.0, 0.0], steps=10, horizon=3, noise=0.05, seed=2)
+    fast_line = (0.01, 0.001)
+    moved = planner_rollout(p, [lines[0], fast_line], [0.0, 0.0], steps=10, horizon=3, noise=0.05, seed=1,
+                            seeds={1: (fast_line, 0.0)})
+    assert moved < slow * 0.8
+    assert list(p.plan) == plan and [(m.intercept, m.slope) for m in p.model_params()] == lines
+    with pytest.raises(ValueError, match="horizon"):
+        planner_rollout(p, lines, [0.0, 0.0], steps=10, horizon=0)
+    with pytest.raises(ValueError, match="data"):
+        planner_rollout(p, lines, [0.0], steps=10, horizon=1)
+    with pytest.raises(ValueError, match="noise"):
+        planner_rollout(p, lines, [0.0, 0.0], steps=10, horizon=1, noise=-1.0)
+
+
+def test_the_planning_relocator_moves_what_pays_and_stays_otherwise():
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], lines=[(0.005, 0.0005), (0.006, 0.0024)],
+              free_slots=[{"device": "v100"}], global_batch=512, steps_per_epoch=20, epochs_left=5)
+    p = _planner(kw["lines"], 512)
+    r = PlanningRelocator(restart_cost=0.0, noise=0.0)
+    assert r.propose(next_corunners=[None, "video"], planner=p, **kw).moves == [(1, 0)]
+    # a restart that costs more than the whole horizon can save: stay
+    assert PlanningRelocator(restart_cost=1e4, noise=0.0).propose(next_corunners=[None, "video"], planner=p, **kw).moves == []
+    # without a planner it is the greedy Relocator
+    greedy = Relocator(restart_cost=0.0).propose(next_corunners=[None, "video"], **kw)
+    assert r.propose(next_corunners=[None, "video"], **kw).moves == greedy.moves
+    for bad in ({"horizon": 0}, {"draws": 0}, {"noise": -0.1}, {"margin": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PlanningRelocator(**bad)
+
+
+def test_the_planning_relocator_in_the_simulator():
+    """Closed loop on the built-in interference scenario: the simulator hands it the planner, it decides every
+    boundary with a free slot, and the run is at least as fast as without relocation."""
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])
+    seen = []
+
+    class Watch(PlanningRelocator):
+        def propose(self, **kw):
+            seen.append(kw["planner"].world_size == len(kw["devices"]))
+            return super().propose(**kw)
+
+    r = Watch(workload=sc.workload, restart_cost=sc.restart_cost)
+    out = simulate(sc, "equal_finish", seed=0, relocation=r)
+    assert seen and all(seen) and r.decisions == len(seen)
+    assert out["steady_samples_per_s"] >= 0.99 * simulate(sc, "equal_finish", seed=0)["steady_samples_per_s"]
+
+
+def test_the_cluster_advisor_hands_its_planner_to_a_planning_relocator(tmp_path):
+    """In the integrations the cluster advisor decides relocations; a model-based relocator gets the planner it
+    rolls forward (and moves the t4 whose next co-runner slows it to the free v100), a plain one does not."""
+    import json
+
+    from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
+
+    path = tmp_path / "cluster.json"
+    now = {"ranks": [{"device": "v100"}, {"device": "t4"}], "free_slots": [{"device": "v100"}]}
+    path.write_text(json.dumps(now))
+    got = []
+
+    class Watch(PlanningRelocator):
+        def propose(self, **kw):
+            got.append(kw.get("planner"))
+            return super().propose(**kw)
+
+    adv = ClusterAdvisor(str(path), relocation=Watch(restart_cost=0.0, noise=0.0))
+    adv.start(0, 2)
+    planner = BalancePlanner(2, 64)
+    planner.observe(np.array([[[32, 0.005 + 0.0005 * 32, 0.0]] * 4, [[32, 0.006 + 0.0012 * 32, 0.0]] * 4]))
+    planner.replan()
+    path.write_text(json.dumps({**now, "ranks": [{"device": "v100"}, {"device": "t4", "corunner": "video"}]}))
+    upcoming = adv.before_decision(0, 2, planner.allocator, [0.0, 0.0])
+    decision, new = adv.relocate(upcoming, planner, steps_per_epoch=10, epochs_left=5, data=[0.0, 0.0])
+    assert got == [planner] and decision.moves == [(1, 0)] and new
+
+
+def test_the_module_examples_run():
+    import doctest
+
+    from hetero_plugins.scheduler import planning
+
+    assert doctest.testmod(planning).failed == 0
+
+
+def test_make_relocator_builds_the_planned_policy():
+    from hetero_plugins.scheduler.placement_policy import RELOCATION_POLICIES, make_relocator
+
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])
+    r = make_relocator("planned", sc, horizon=3)
+    assert "planned" in RELOCATION_POLICIES and isinstance(r, PlanningRelocator)
+    assert r.restart_cost == sc.restart_cost and r.workload == sc.workload and r.horizon == 3
