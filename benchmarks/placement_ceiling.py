@@ -42,7 +42,12 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins.scheduler.measured import load_measured_predictor
-from hetero_plugins.scheduler.placement_policy import PLACEMENT_FEATURES, LearnedRelocator, candidate_decision, make_relocator
+from hetero_plugins.scheduler.placement_policy import (
+    PLACEMENT_FEATURES,
+    LearnedRelocator,
+    candidate_decision,
+    make_relocator,
+)
 from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
 from hetero_plugins.scheduler.sim.family import family_scenarios
 from hetero_plugins.scheduler.sim.loop import SimulationRun

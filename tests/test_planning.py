@@ -77,11 +77,12 @@ def test_the_planning_relocator_moves_what_pays_and_stays_otherwise():
     r = PlanningRelocator(restart_cost=0.0, noise=0.0)
     assert r.propose(next_corunners=[None, "video"], planner=p, **kw).moves == [(1, 0)]
     # a restart that costs more than the whole horizon can save: stay
-    assert PlanningRelocator(restart_cost=1e4, noise=0.0).propose(next_corunners=[None, "video"], planner=p, **kw).moves == []
+    costly = PlanningRelocator(restart_cost=1e4, noise=0.0)
+    assert costly.propose(next_corunners=[None, "video"], planner=p, **kw).moves == []
     # without a planner it is the greedy Relocator
     greedy = Relocator(restart_cost=0.0).propose(next_corunners=[None, "video"], **kw)
     assert r.propose(next_corunners=[None, "video"], **kw).moves == greedy.moves
-    for bad in ({"horizon": 0}, {"draws": 0}, {"noise": -0.1}, {"margin": -1.0}):
+    for bad in ({"horizon": 0}, {"draws": 0}, {"noise": -0.1}, {"margin": -1.0}, {"slowest": 0}, {"best_slots": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PlanningRelocator(**bad)
 
