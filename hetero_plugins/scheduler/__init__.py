@@ -18,8 +18,8 @@
 Modules: ``policy`` (the two allocators), ``dqn`` and ``features`` (the former chunk-assignment network, kept for its
 training commands), ``ncf`` (the
 predictor), ``interference`` (its corrections of time lines), ``placement`` (best placement, equal-finish
-split), ``problem`` (the decision record), ``relocation`` (the relocator), ``planning`` (the model-based
-relocator), ``restart_spec`` (the restart spec
+split), ``problem`` (the decision record), ``relocation`` (the relocator), ``candidates`` (the moves relocators
+score), ``planning`` (the model-based relocator), ``restart_spec`` (the restart spec
 a relocation is written to and resumed from), ``cluster_advisor`` (cluster context for the integrations),
 ``pretrain`` / ``transfer`` / ``commands`` (training and the command line) and ``sim`` (the simulator).
 """

@@ -9,7 +9,7 @@ two, and the step waits for the slowest of many noisy ranks. :func:`planner_roll
 of the planner: every step of the next ``horizon`` epochs takes each rank's believed line at the planner's
 split, times lognormal noise, plus its data time; the planner learns from those steps as it would from real
 ones. :class:`PlanningRelocator` compares the candidates of
-:func:`~hetero_plugins.scheduler.placement_policy.candidate_actions` (stay, the greedy placement, single moves,
+:func:`~hetero_plugins.scheduler.candidates.candidate_actions` (stay, the greedy placement, single moves,
 moves home) by the seconds their rollouts save over staying, restart cost included, under common noise.
 
 This is model-predictive control with the scheduler's own learned models (the fitted time lines, the NCF's
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.scheduler.placement_policy import _eft, candidate_actions, candidate_decision
+from hetero_plugins.scheduler.candidates import candidate_actions, candidate_decision, placement_step_time
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
 __all__ = ["PlanningRelocator", "planner_rollout"]
@@ -183,7 +183,7 @@ class PlanningRelocator(Relocator):
             solo = self.solo_lines(devices, corunners, lines, wl)
         incoming, unknown = self._free_places(free_slots, solo, wl)
         keep = [(x["intercept"], x["slope"]) for x in own]
-        t_cur = _eft(own, global_batch)
+        t_cur = placement_step_time(own, global_batch)
         stay = Relocation([None] * n, keep, t_cur, t_cur, 0.0, len(incoming), unknown)
         horizon = min(self.horizon, int(epochs_left))
         if not incoming or t_cur <= 0 or horizon < 1:
