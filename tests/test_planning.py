@@ -82,6 +82,8 @@ def test_the_planning_relocator_moves_what_pays_and_stays_otherwise():
     # without a planner it is the greedy Relocator
     greedy = Relocator(restart_cost=0.0).propose(next_corunners=[None, "video"], **kw)
     assert r.propose(next_corunners=[None, "video"], **kw).moves == greedy.moves
+    with pytest.raises(ValueError, match="`places` has 1 entries for 2 ranks"):
+        r.propose(next_corunners=[None, "video"], planner=p, places=[0], homes=[0, 1], **kw)
     for bad in ({"horizon": 0}, {"draws": 0}, {"noise": -0.1}, {"margin": -1.0}, {"slowest": 0}, {"best_slots": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PlanningRelocator(**bad)

@@ -19,7 +19,7 @@ from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation
 
-__all__ = ["candidate_actions", "candidate_decision", "placement_step_time"]
+__all__ = ["candidate_actions", "candidate_decision", "free_homes", "placement_step_time"]
 
 
 def placement_step_time(lines: Sequence[Mapping[str, float]], global_batch: int) -> float:
@@ -90,3 +90,15 @@ def candidate_decision(cand: Mapping[str, Any], incoming: Sequence[Mapping[str, 
         targets[i] = incoming[j]["free_slot"]
         new_lines[i] = (incoming[j]["intercept"], incoming[j]["slope"])
     return Relocation(targets, new_lines, t_cur, cand["t_new"], saved, len(incoming), list(unknown))
+
+
+def free_homes(places: Sequence[Any] | None, homes: Sequence[Any] | None, free_slots: Sequence[Mapping[str, Any]],
+               incoming: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """Each relocated rank (``places[i] != homes[i]``, place ids) whose home place is among the priced free
+    slots ``incoming``: rank -> its index there (``{}`` without place ids). A free slot's place id is its
+    ``"place"``, else ``("free", k)``."""
+    if places is None or homes is None:
+        return {}
+    slot_ids = [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
+    by_place = {slot_ids[x["free_slot"]]: j for j, x in enumerate(incoming)}
+    return {i: by_place[h] for i, (p, h) in enumerate(zip(places, homes)) if p != h and h in by_place}

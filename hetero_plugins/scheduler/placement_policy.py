@@ -61,7 +61,12 @@ from hetero_plugins.scheduler.features import (
     read_model,
     write_model,
 )
-from hetero_plugins.scheduler.candidates import candidate_actions, candidate_decision, placement_step_time
+from hetero_plugins.scheduler.candidates import (
+    candidate_actions,
+    candidate_decision,
+    free_homes,
+    placement_step_time,
+)
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
 __all__ = ["DEFAULT_PLACEMENT_MODEL", "PLACEMENT_FEATURES", "RELOCATION_POLICIES", "LearnedRelocator",
@@ -332,9 +337,7 @@ class LearnedRelocator(Relocator):
         ``restart_cost`` in seconds, which the simulator passes)."""
         n = len(devices)
         self.check_lengths(devices, corunners, next_corunners, lines, data)
-        for name, v in (("places", places), ("homes", homes)):
-            if v is not None and len(v) != n:
-                raise ValueError(f"`{name}` has {len(v)} entries for {n} ranks. HINT: give one place id per rank.")
+        self.check_places(n, places, homes)
         self.decisions += 1
         self._calls += 1
         epoch = self._calls if epoch is None else int(epoch)
@@ -344,12 +347,8 @@ class LearnedRelocator(Relocator):
         places_l = [("rank", i) for i in range(n)] if places is None else list(places)
         slot_ids = [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
         self._observe(lines, data_v, places_l, global_batch)
-        factors = self.correction.factors(wl, devices, corunners, next_corunners)
-        own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
-               for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
-        if solo is None:
-            solo = self.solo_lines(devices, corunners, lines, wl)
-        incoming, unknown = self._free_places(free_slots, solo, wl)
+        own, incoming, unknown, solo = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
+                                                         wl, solo)
         ages_from = [self._age(p, c, epoch) for p, c in zip(places_l, next_corunners)]
         ages_to = {k: self._age(slot_ids[k], s.get("corunner"), epoch) for k, s in enumerate(free_slots)}
         keep = [(x["intercept"], x["slope"]) for x in own]
@@ -357,10 +356,7 @@ class LearnedRelocator(Relocator):
         stay = Relocation([None] * n, keep, t_cur, t_cur, 0.0, len(incoming), unknown)
         if not incoming or t_cur <= 0:
             return stay
-        by_place = {slot_ids[x["free_slot"]]: j for j, x in enumerate(incoming)}
-        homes_free = {} if homes is None else {i: by_place[h] for i, (p, h) in enumerate(zip(places_l, homes))
-                                               if p != h and h in by_place}
-        cands = candidate_actions(own, incoming, global_batch, homes_free)
+        cands = candidate_actions(own, incoming, global_batch, free_homes(places_l, homes, free_slots, incoming))
         if not cands:
             return stay
         ctx = {"epoch": epoch, "n": n, "t_cur": t_cur, "cost": cost, "steps": int(steps_per_epoch),

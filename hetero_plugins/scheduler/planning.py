@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.scheduler.candidates import candidate_actions, candidate_decision, placement_step_time
+from hetero_plugins.scheduler.candidates import (
+    candidate_actions,
+    candidate_decision,
+    free_homes,
+    placement_step_time,
+)
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
 __all__ = ["PlanningRelocator", "planner_rollout"]
@@ -172,29 +177,20 @@ class PlanningRelocator(Relocator):
                                    epochs_left=epochs_left, data=data, workload=workload, solo=solo)
         n = len(devices)
         self.check_lengths(devices, corunners, next_corunners, lines, data)
+        self.check_places(n, places, homes)
         self.decisions += 1
         cost = self.restart_cost if restart_cost is None else check_float("restart_cost", restart_cost, minimum=0.0)
-        wl = workload or self.workload
-        data_v = np.zeros(n) if data is None else np.asarray(data, dtype=np.float64)
-        factors = self.correction.factors(wl, devices, corunners, next_corunners)
-        own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
-               for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
-        if solo is None:
-            solo = self.solo_lines(devices, corunners, lines, wl)
-        incoming, unknown = self._free_places(free_slots, solo, wl)
+        own, incoming, unknown, _ = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
+                                                      workload or self.workload, solo)
+        data_v = np.array([x["data"] for x in own])
         keep = [(x["intercept"], x["slope"]) for x in own]
         t_cur = placement_step_time(own, global_batch)
         stay = Relocation([None] * n, keep, t_cur, t_cur, 0.0, len(incoming), unknown)
         horizon = min(self.horizon, int(epochs_left))
         if not incoming or t_cur <= 0 or horizon < 1:
             return stay
-        homes_free: dict[int, int] = {}
-        if places is not None and homes is not None:
-            slot_ids = [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
-            by_place = {slot_ids[x["free_slot"]]: j for j, x in enumerate(incoming)}
-            homes_free = {i: by_place[h] for i, (p, h) in enumerate(zip(places, homes)) if p != h and h in by_place}
-        cands = candidate_actions(own, incoming, global_batch, homes_free, slowest=self.slowest,
-                                  best_slots=self.best_slots)
+        cands = candidate_actions(own, incoming, global_batch, free_homes(places, homes, free_slots, incoming),
+                                  slowest=self.slowest, best_slots=self.best_slots)
         if not cands:
             return stay
         steps = int(steps_per_epoch)

@@ -186,19 +186,37 @@ class Relocator:
             solo: per device type, the solo ``(intercept, slope)`` free slots are priced from; default
                 :meth:`solo_lines` of the ranks (then a device type no rank runs on is unknown).
         """
-        n = len(devices)
         self.check_lengths(devices, corunners, next_corunners, lines, data)
         self.decisions += 1
-        data_v = np.zeros(n) if data is None else np.asarray(data, dtype=np.float64)
-        # A rank's own place for the next epoch: its line scaled to the co-runner placed beside it then.
+        own, incoming, unknown, _ = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
+                                                      workload, solo)
+        horizon = min(int(epochs_left), self.horizon_epochs) * int(steps_per_epoch)
+        return self._choose(own, incoming, unknown, global_batch, horizon)
+
+    def price_places(self, devices: Sequence[str], corunners: Sequence[str | None],
+                     next_corunners: Sequence[str | None], lines: Sequence[tuple[float, float]],
+                     free_slots: Sequence[Mapping[str, Any]], data: Sequence[float] | None, workload: str | None,
+                     solo: Mapping[str, tuple[float, float]] | None) -> tuple[
+                         list[dict[str, Any]], list[dict[str, Any]], list[int], Mapping[str, tuple[float, float]]]:
+        """What every relocator prices its placements with (arguments as :meth:`propose`): each rank's own place
+        next epoch ``{"intercept", "slope", "data", "rank"}`` (its line scaled by the NCF to the co-runner placed
+        beside it then), the priced free slots and the indices of those that cannot be priced, and the solo lines
+        they were priced from."""
+        data_v = np.zeros(len(devices)) if data is None else np.asarray(data, dtype=np.float64)
         factors = self.correction.factors(workload or self.workload, devices, corunners, next_corunners)
         own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
                for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
         if solo is None:
             solo = self.solo_lines(devices, corunners, lines, workload)
         incoming, unknown = self._free_places(free_slots, solo, workload)
-        horizon = min(int(epochs_left), self.horizon_epochs) * int(steps_per_epoch)
-        return self._choose(own, incoming, unknown, global_batch, horizon)
+        return own, incoming, unknown, solo
+
+    @staticmethod
+    def check_places(n: int, places: Sequence[Any] | None, homes: Sequence[Any] | None) -> None:
+        """``ValueError`` unless ``places`` and ``homes`` (place ids, optional) have one entry per rank."""
+        for name, v in (("places", places), ("homes", homes)):
+            if v is not None and len(v) != n:
+                raise ValueError(f"`{name}` has {len(v)} entries for {n} ranks. HINT: give one place id per rank.")
 
     def _free_places(self, free_slots: Sequence[Mapping[str, Any]], solo: Mapping[str, tuple[float, float]],
                      workload: str | None) -> tuple[list[dict[str, Any]], list[int]]:
