@@ -23,8 +23,10 @@ Policies, each run closed loop in the simulator (``simulate``) with a fresh sche
 
 Runs go through :func:`~hetero_plugins.scheduler.sim.evaluate.evaluate` (fresh allocator and relocator per
 run) and :func:`~hetero_plugins.scheduler.sim.evaluate.best_analytic`.
-- ``learned`` / ``planned`` / ``greedy`` / ``none``: ``equal_finish`` with the learned relocator / the
-  model-based one (:class:`~hetero_plugins.scheduler.planning.PlanningRelocator`) / the greedy one / none.
+- ``learned`` / ``planned`` / ``planned_critic`` / ``greedy`` / ``none``: ``equal_finish`` with the learned
+  relocator / the model-based one (:class:`~hetero_plugins.scheduler.planning.PlanningRelocator`) / the
+  model-based one with the shipped critic (:mod:`~hetero_plugins.scheduler.rollout_correction`) / the greedy
+  one / none.
 
 Throughput is simulated samples per second after the first (measuring) epoch; busy fraction is the simulated
 accelerators' computing share of that time (the GPU utilisation the seed paper reports beside throughput).
@@ -60,7 +62,7 @@ START, END = "<!-- scheduler-bench:start -->", "<!-- scheduler-bench:end -->"
 README_START, README_END = "<!-- readme-scheduler:start -->", "<!-- readme-scheduler:end -->"
 ANALYTIC = ("equal_finish", "lbb", "proportional")
 BUILTINS = ("static_mix", "paper_mix", "interference", "dynamic", "elastic")
-POLICIES = ("auto", "auto_split", "dqn", "learned", "planned", "greedy")
+POLICIES = ("auto", "auto_split", "dqn", "learned", "planned", "planned_critic", "greedy")
 
 
 def _single_thread() -> Any:
@@ -87,6 +89,9 @@ class Components:
 
     def planned(self, sc: Any) -> Relocator:
         return make_relocator("planned", sc, predictor=self.ncf)  # type: ignore[return-value]
+
+    def planned_critic(self, sc: Any) -> Relocator:
+        return make_relocator("planned_critic", sc, predictor=self.ncf)  # type: ignore[return-value]
 
 
 def has_churn_and_slots(spec: dict[str, Any]) -> bool:
@@ -116,6 +121,7 @@ def policies(comp: Components, record: dict[str, list[Any]]) -> dict[str, tuple[
     out["learned"] = ("equal_finish", comp.learned)
     out["greedy"] = ("equal_finish", comp.greedy)
     out["planned"] = ("equal_finish", comp.planned)
+    out["planned_critic"] = ("equal_finish", comp.planned_critic)
     return out
 
 
@@ -145,9 +151,10 @@ def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split
     if "learned" in mean:
         row["learned_vs_none"] = mean["learned"] / none
         row["learned_vs_greedy"] = mean["learned"] / mean["greedy"]
-    if "planned" in mean:
-        row["planned_vs_none"] = mean["planned"] / none
-        row["planned_vs_greedy"] = mean["planned"] / mean["greedy"]
+    for pol in ("planned", "planned_critic"):
+        if pol in mean:
+            row[f"{pol}_vs_none"] = mean[pol] / none
+            row[f"{pol}_vs_greedy"] = mean[pol] / mean["greedy"]
     row["greedy_vs_none"] = mean["greedy"] / none
     return row
 
@@ -248,14 +255,17 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                               "churn + slots", "goal": ">= 1.05", "figures": f"{g:.3f}", "ok": g >= 1.05})
         out.append({"target": "learned placement vs no relocation, same scenarios (mean / min)",
                     "goal": ">= 1.10 / >= 0.99", "figures": f"{nn:.3f} / {lo:.3f}", "ok": nn >= 1.10 and lo >= 0.99})
-        if all("planned_vs_greedy" in r for r in churn):
-            pg = float(np.mean([r["planned_vs_greedy"] for r in churn]))
-            pn = float(np.mean([r["planned_vs_none"] for r in churn]))
-            plo = min(r["planned_vs_none"] for r in churn)
-            out.append({"target": "model-based placement (PlanningRelocator: planner rollouts on its own fitted "
-                                  "model) vs greedy / vs none (mean / min), same scenarios",
-                        "goal": ">= 1.05 / >= 1.10, never < 0.99", "figures": f"{pg:.3f} / {pn:.3f} / {plo:.3f}",
-                        "ok": pg >= 1.05 and pn >= 1.10 and plo >= 0.99})
+        for pol, what in (("planned", "model-based placement (PlanningRelocator: planner rollouts on its own fitted "
+                                      "model)"),
+                          ("planned_critic", "learned model-based placement (the rollouts' values corrected by the "
+                                             "critic trained on realised returns)")):
+            if all(f"{pol}_vs_greedy" in r for r in churn):
+                pg = float(np.mean([r[f"{pol}_vs_greedy"] for r in churn]))
+                pn = float(np.mean([r[f"{pol}_vs_none"] for r in churn]))
+                plo = min(r[f"{pol}_vs_none"] for r in churn)
+                out.append({"target": f"{what} vs greedy / vs none (mean / min), same scenarios",
+                            "goal": ">= 1.05 / >= 1.10, never < 0.99", "figures": f"{pg:.3f} / {pn:.3f} / {plo:.3f}",
+                            "ok": pg >= 1.05 and pn >= 1.10 and plo >= 0.99})
     ncf = res["ncf_leave_pairs_out"]
     e, b = ncf["ncf_mean_rel_error"], ncf["additive_mean_rel_error"]
     out.append({"target": f"NCF leave-pairs-out mean relative error ({ncf.get('pairs_count')} pairs, "
@@ -312,8 +322,8 @@ def table(res: dict[str, Any]) -> str:
              f"relative to the best analytic allocator of the same scenario; {res['scenario_note']}; "
              f"{res['ncf_source']}.", "", *targets_table(res)]
     lines += ["", "| scenario | split | ranks | churn + slots | best analytic | auto | auto (split only) | dqn | "
-              "learned / none | planned / none | greedy / none | busy: best analytic / auto / dqn | auto NCF used / "
-              "fell back / relocations kept / vetoed |", "|---" * 13 + "|"]
+              "learned / none | planned / none | planned + critic / none | greedy / none | busy: best analytic / "
+              "auto / dqn | auto NCF used / fell back / relocations kept / vetoed |", "|---" * 14 + "|"]
     for r in rows:
         v = r["vs_best_analytic"]
         b = r["busy_fraction"]
@@ -321,7 +331,8 @@ def table(res: dict[str, Any]) -> str:
         lines.append(
             f"| {r['scenario']} | {r['split']} | {r['world_size']} | {'yes' if r['churn_and_slots'] else 'no'} | "
             f"{r['best_analytic']} | {v['auto']:.3f} | {v['auto_split']:.3f} | {v['dqn']:.3f} | "
-            f"{_fmt(r.get('learned_vs_none'))} | {_fmt(r.get('planned_vs_none'))} | {r['greedy_vs_none']:.3f} | "
+            f"{_fmt(r.get('learned_vs_none'))} | {_fmt(r.get('planned_vs_none'))} | "
+            f"{_fmt(r.get('planned_critic_vs_none'))} | {r['greedy_vs_none']:.3f} | "
             f"{100 * b[r['best_analytic']]:.0f}% / {100 * b['auto']:.0f}% / {100 * b['dqn']:.0f}% | "
             f"{d['auto_ncf']} / {d['auto_fallback']} / {d['auto_reloc_kept']} / {d['auto_reloc_vetoed']} |")
     lines += transfer_curves(res["transfer"])

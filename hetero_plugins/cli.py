@@ -1,5 +1,6 @@
 """The ``hetero-plugins`` command: ``demo`` runs the main job, ``bench`` the benchmarks, ``report`` draws what the
-balancer did in a run, ``simulate`` / ``pretrain`` / ``transfer`` the learned scheduler, ``profile-interference`` measures co-location
+balancer did in a run, ``simulate`` / ``pretrain`` / ``pretrain-placement`` / ``pretrain-critic`` / ``transfer`` the
+learned scheduler, ``profile-interference`` measures co-location
 slowdowns on this machine for it.
 
 Long jobs draw a progress bar on standard error when it is a terminal; ``--quiet`` (anywhere on the line)
@@ -13,7 +14,8 @@ import sys
 
 __all__ = ["main"]
 
-COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "pretrain-placement", "transfer", "profile-interference")
+COMMANDS = ("demo", "bench", "report", "simulate", "pretrain", "pretrain-placement", "pretrain-critic", "transfer",
+            "profile-interference")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=COMMANDS,
                         help="demo: stock DDP vs HeteroDDPStrategy; bench: benchmarks; report RUN: a picture and a "
                         "summary of what the balancer did in a run; simulate / pretrain / pretrain-placement / "
-                        "transfer: the learned scheduler on the cluster simulator; profile-interference: measure "
+                        "pretrain-critic / transfer: the learned scheduler on the cluster simulator; "
+                        "profile-interference: measure "
                         "co-runner slowdowns here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or per-epoch lines (any position)")
     args, rest = parser.parse_known_args(argv[:1])
-    if args.command in ("simulate", "pretrain", "pretrain-placement", "transfer"):
+    if args.command in ("simulate", "pretrain", "pretrain-placement", "pretrain-critic", "transfer"):
         from hetero_plugins.scheduler import commands
 
         return getattr(commands, f"{args.command.replace('-', '_')}_main")(argv[1:])

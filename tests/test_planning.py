@@ -149,3 +149,14 @@ def test_make_relocator_builds_the_planned_policy():
     r = make_relocator("planned", sc, horizon=3)
     assert "planned" in RELOCATION_POLICIES and isinstance(r, PlanningRelocator)
     assert r.restart_cost == sc.restart_cost and r.workload == sc.workload and r.horizon == 3
+
+
+def test_make_relocator_builds_the_planned_policy_with_the_shipped_critic():
+    from hetero_plugins.scheduler.placement_policy import RELOCATION_POLICIES, make_relocator
+    from hetero_plugins.scheduler.rollout_correction import RolloutCorrection
+
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])
+    r = make_relocator("planned_critic", sc)
+    assert "planned_critic" in RELOCATION_POLICIES and isinstance(r, PlanningRelocator)
+    assert isinstance(r.critic, RolloutCorrection) and r.critic.meta["trained"]["family"] == "default"
+    assert make_relocator("planned", sc).critic is None

@@ -1,4 +1,5 @@
-"""``hetero-plugins simulate | pretrain | pretrain-placement | transfer``: the learned scheduler's command-line side."""
+"""``hetero-plugins simulate | pretrain | pretrain-placement | pretrain-critic | transfer``: the learned scheduler's
+command-line side."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracl
 from hetero_plugins.scheduler.transfer import transfer_dqn
 from hetero_plugins.progress import progress, timed
 
-__all__ = ["compare", "default_relocation", "pretrain_main", "pretrain_placement_main", "simulate_main", "transfer_main"]
+__all__ = ["compare", "default_relocation", "pretrain_critic_main", "pretrain_main", "pretrain_placement_main",
+           "simulate_main", "transfer_main"]
 
 DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
@@ -298,6 +300,43 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
                                       train_count=args.train, val_count=args.val, episodes_per_round=args.episodes,
                                       max_rounds=args.rounds, resume=not args.no_resume,
                                       fit_steps=args.fit_steps, returns=args.returns, horizon=args.horizon)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": args.out, **stats}, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def pretrain_critic_main(argv: list[str] | None = None) -> int:
+    """Train the planning relocator's critic (a learned correction of its rollout values) on the realised returns
+    of the candidate moves met in closed-loop runs of a generated family's train split, and write the model file."""
+    from hetero_plugins.scheduler.placement_training import pretrain_critic
+
+    parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-critic", description=pretrain_critic_main.__doc__)
+    parser.add_argument("--out", default="rollout_correction_v1.npz", help="model file to write")
+    parser.add_argument("--family", default="default", help="scenario family to train on (default, shifted)")
+    parser.add_argument("--train", type=int, default=150, help="train-split scenarios drawn from (those with "
+                        "co-runner churn and free slots are used)")
+    parser.add_argument("--seeds", type=int, default=2, help="noise seeds per scenario")
+    parser.add_argument("--explore", type=float, default=0.2, help="probability of a random candidate (or stay)")
+    parser.add_argument("--horizon", type=int, default=4, help="epochs a realised return runs over")
+    parser.add_argument("--members", type=int, default=5, help="networks in the ensemble")
+    parser.add_argument("--fit-steps", type=int, default=3000, help="gradient steps per member")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name in ("train", "seeds", "horizon", "members", "fit_steps"):
+        if getattr(args, name) < 1:
+            flag = name.replace("_", "-")
+            print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 2", file=sys.stderr)
+            return 2
+    if not 0.0 <= args.explore <= 1.0:
+        print(f"error: `--explore` must be in [0, 1], got {args.explore}. HINT: e.g. --explore 0.2", file=sys.stderr)
+        return 2
+    try:
+        _, stats = pretrain_critic(out=args.out, family=args.family, train_count=args.train,
+                                   seeds=tuple(range(args.seeds)), explore=args.explore, horizon=args.horizon,
+                                   members=args.members, steps=args.fit_steps, seed=args.seed)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -40,8 +40,8 @@ import numpy as np
 
 from hetero_plugins._files import read_shipped_or_file
 
-__all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "mlp_arrays", "mlp_forward", "mlp_from_arrays",
-           "mlp_random", "read_model", "write_model"]
+__all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "mlp_arrays", "mlp_fit", "mlp_forward",
+           "mlp_from_arrays", "mlp_random", "read_model", "write_model"]
 
 FEATURE_SCHEMA_VERSION = 1
 FEATURES: tuple[str, ...] = (
@@ -130,6 +130,57 @@ def mlp_forward(layers: Layers, x: np.ndarray, dtype: Any) -> np.ndarray:
         h = np.maximum(h @ w + b, 0.0)
     w, b = layers[-1]
     return (h @ w + b)[:, 0]
+
+
+def mlp_fit(layers: Layers, x: np.ndarray, y: np.ndarray, steps: int = 2000, lr: float = 1e-3, batch: int = 128,
+            seed: int = 0, weight_decay: float = 1e-5, state: dict[str, Any] | None = None) -> float:
+    """Fit the MLP ``layers`` in place by Adam on the Huber loss towards ``y`` (numpy backpropagation, minibatches of
+    ``batch`` rows drawn with ``seed``, L2 ``weight_decay``); returns the last minibatch's mean loss. ``state`` carries
+    Adam's moments between calls (online updates)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) == 0:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    st = state if state is not None else {}
+    if "m" not in st:
+        st["m"] = [(np.zeros_like(w), np.zeros_like(b)) for w, b in layers]
+        st["v"] = [(np.zeros_like(w), np.zeros_like(b)) for w, b in layers]
+        st["t"] = 0
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    loss = 0.0
+    for _ in range(int(steps)):
+        idx = rng.integers(0, len(x), min(batch, len(x)))
+        xb, yb = x[idx], y[idx]
+        acts = [xb]
+        h = xb
+        for w, b in layers[:-1]:
+            h = np.maximum(h @ w + b, 0.0)
+            acts.append(h)
+        w, b = layers[-1]
+        out = (h @ w + b)[:, 0]
+        err = out - yb
+        loss = float(np.mean(np.where(np.abs(err) < 1.0, 0.5 * err ** 2, np.abs(err) - 0.5)))
+        g = (np.clip(err, -1.0, 1.0) / len(xb))[:, None]
+        grads = []
+        for li in range(len(layers) - 1, -1, -1):
+            w, b = layers[li]
+            a = acts[li]
+            grads.append((a.T @ g + weight_decay * w, g.sum(0)))
+            if li > 0:
+                g = (g @ w.T) * (acts[li] > 0)
+        grads.reverse()
+        st["t"] += 1
+        t = st["t"]
+        for li, ((w, b), (gw, gb)) in enumerate(zip(layers, grads)):
+            (mw, mb), (vw, vb) = st["m"][li], st["v"][li]
+            mw[:] = b1 * mw + (1 - b1) * gw
+            mb[:] = b1 * mb + (1 - b1) * gb
+            vw[:] = b2 * vw + (1 - b2) * gw ** 2
+            vb[:] = b2 * vb + (1 - b2) * gb ** 2
+            c1, c2 = 1 - b1 ** t, 1 - b2 ** t
+            w -= lr * (mw / c1) / (np.sqrt(vw / c2) + eps)
+            b -= lr * (mb / c1) / (np.sqrt(vb / c2) + eps)
+    return loss
 
 
 def mlp_arrays(layers: Layers) -> dict[str, np.ndarray]:

@@ -55,6 +55,7 @@ import numpy as np
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.scheduler.features import (
     mlp_arrays,
+    mlp_fit,
     mlp_forward,
     mlp_from_arrays,
     mlp_random,
@@ -150,53 +151,10 @@ class PlacementNetwork:
 
     def fit(self, x: np.ndarray, y: np.ndarray, steps: int = 2000, lr: float = 1e-3, batch: int = 128,
             seed: int = 0, weight_decay: float = 1e-5, state: dict[str, Any] | None = None) -> float:
-        """Adam on the Huber loss towards targets ``y`` (numpy backpropagation); returns the last mean loss.
-
-        ``state`` carries Adam's moments between calls (online updates)."""
-        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-        if len(x) == 0:
-            return 0.0
-        rng = np.random.default_rng(seed)
-        st = state if state is not None else {}
-        if "m" not in st:
-            st["m"] = [(np.zeros_like(w), np.zeros_like(b)) for w, b in self.layers]
-            st["v"] = [(np.zeros_like(w), np.zeros_like(b)) for w, b in self.layers]
-            st["t"] = 0
-        b1, b2, eps = 0.9, 0.999, 1e-8
-        loss = 0.0
-        for _ in range(int(steps)):
-            idx = rng.integers(0, len(x), min(batch, len(x)))
-            xb, yb = x[idx], y[idx]
-            acts = [xb]
-            h = xb
-            for w, b in self.layers[:-1]:
-                h = np.maximum(h @ w + b, 0.0)
-                acts.append(h)
-            w, b = self.layers[-1]
-            out = (h @ w + b)[:, 0]
-            err = out - yb
-            loss = float(np.mean(np.where(np.abs(err) < 1.0, 0.5 * err ** 2, np.abs(err) - 0.5)))
-            g = (np.clip(err, -1.0, 1.0) / len(xb))[:, None]
-            grads = []
-            for li in range(len(self.layers) - 1, -1, -1):
-                w, b = self.layers[li]
-                a = acts[li]
-                grads.append((a.T @ g + weight_decay * w, g.sum(0)))
-                if li > 0:
-                    g = (g @ w.T) * (acts[li] > 0)
-            grads.reverse()
-            st["t"] += 1
-            t = st["t"]
-            for li, ((w, b), (gw, gb)) in enumerate(zip(self.layers, grads)):
-                (mw, mb), (vw, vb) = st["m"][li], st["v"][li]
-                mw[:] = b1 * mw + (1 - b1) * gw
-                mb[:] = b1 * mb + (1 - b1) * gb
-                vw[:] = b2 * vw + (1 - b2) * gw ** 2
-                vb[:] = b2 * vb + (1 - b2) * gb ** 2
-                c1, c2 = 1 - b1 ** t, 1 - b2 ** t
-                w -= lr * (mw / c1) / (np.sqrt(vw / c2) + eps)
-                b -= lr * (mb / c1) / (np.sqrt(vb / c2) + eps)
-        return loss
+        """Adam on the Huber loss towards targets ``y`` (:func:`~hetero_plugins.scheduler.features.mlp_fit`);
+        returns the last mean loss. ``state`` carries Adam's moments between calls (online updates)."""
+        return mlp_fit(self.layers, x, y, steps=steps, lr=lr, batch=batch, seed=seed, weight_decay=weight_decay,
+                       state=state)
 
 
 class LearnedRelocator(Relocator):
@@ -426,8 +384,9 @@ class LearnedRelocator(Relocator):
 
 
 #: Relocation policies by name (for benchmarks): no relocation, the greedy Relocator, the learned one, the
-#: model-based one (:class:`~hetero_plugins.scheduler.planning.PlanningRelocator`).
-RELOCATION_POLICIES = ("none", "greedy", "learned", "planned")
+#: model-based one (:class:`~hetero_plugins.scheduler.planning.PlanningRelocator`), and the model-based one whose
+#: rollout values the shipped critic corrects (:mod:`~hetero_plugins.scheduler.rollout_correction`).
+RELOCATION_POLICIES = ("none", "greedy", "learned", "planned", "planned_critic")
 
 
 def make_relocator(name: str, scenario: Any = None, **kw: Any) -> Relocator | None:
@@ -440,9 +399,9 @@ def make_relocator(name: str, scenario: Any = None, **kw: Any) -> Relocator | No
         return None
     if scenario is not None:
         kw = {"workload": scenario.workload, "restart_cost": scenario.restart_cost, **kw}
-    if name == "planned":
+    if name in ("planned", "planned_critic"):
         from hetero_plugins.scheduler.planning import PlanningRelocator  # imports this module
-        return PlanningRelocator(**kw)
+        return PlanningRelocator(**({"critic": "shipped", **kw} if name == "planned_critic" else kw))
     return Relocator(**kw) if name == "greedy" else LearnedRelocator(**kw)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from hetero_plugins.scheduler.candidates import (
     placement_step_time,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
+from hetero_plugins.scheduler.rollout_correction import RolloutCorrection, rollout_features
 
 __all__ = ["PlanningRelocator", "planner_rollout"]
 
@@ -106,6 +108,11 @@ class PlanningRelocator(Relocator):
         margin: smallest saving, in epochs of the current step time and net of the restart, worth a move.
         slowest, best_slots: single moves are tried from the ``slowest`` ranks to the ``best_slots`` free slots
             (besides the greedy placement and moves home; the learned relocator tries 3 x 3).
+        critic: a :class:`~hetero_plugins.scheduler.rollout_correction.RolloutCorrection` (or its file;
+            ``"shipped"``: the one shipped, trained on the family's training split) that turns each candidate's
+            rollout value and what the scheduler sees of the move into the saving it is expected to realise; the
+            choice is then the candidate the critic values most, when above ``margin``. ``None`` (default): the
+            rollout values decide. ``make_relocator("planned_critic")`` is this relocator with the shipped critic.
         seed: seeds the noise draws.
 
     Defaults chosen on the validation split (19 clusters with churn and free slots, 3 seeds; mean against the
@@ -139,7 +146,8 @@ class PlanningRelocator(Relocator):
 
     def __init__(self, predictor: Any = None, workload: str = "training", restart_cost: float = 60.0,
                  horizon: int = 2, draws: int = 1, noise: float = 0.0, margin: float = 0.0, slowest: int = 6,
-                 best_slots: int = 6, seed: int = 0) -> None:
+                 best_slots: int = 6, critic: RolloutCorrection | str | Path | None = None,
+                 seed: int = 0) -> None:
         super().__init__(predictor, workload=workload, restart_cost=restart_cost)
         self.horizon = check_int("horizon", horizon, minimum=1, hint="e.g. 4")
         self.draws = check_int("draws", draws, minimum=1, hint="e.g. 2")
@@ -147,7 +155,12 @@ class PlanningRelocator(Relocator):
         self.margin = check_float("margin", margin, minimum=0.0, hint="e.g. 0.0")
         self.slowest = check_int("slowest", slowest, minimum=1, hint="e.g. 6")
         self.best_slots = check_int("best_slots", best_slots, minimum=1, hint="e.g. 6")
+        self.critic = critic if critic is None or isinstance(critic, RolloutCorrection) \
+            else RolloutCorrection.load(None if critic == "shipped" else critic)
         self.seed = int(seed)
+        self.recorder: Any = None  #: training hook: called with each decision's candidates, values and context
+        self.explore = 0.0  #: training: probability of a random candidate (or stay)
+        self._rng = np.random.default_rng(seed)
 
     def propose(  # type: ignore[override]
         self,
@@ -194,13 +207,36 @@ class PlanningRelocator(Relocator):
         if not cands:
             return stay
         steps = int(steps_per_epoch)
+        value = self.rollout_values(planner, keep, data_v, cands, incoming, steps, horizon, cost)
+        unit = t_cur * steps
+        ctx = {"epoch": epoch, "t_cur": t_cur, "steps": steps, "cost": cost, "epochs_left": int(epochs_left),
+               "own": own, "incoming": incoming, "keep": keep, "plan": [float(b) for b in planner.plan],
+               "global_batch": int(global_batch), "devices": list(devices), "corunners": list(corunners),
+               "next_corunners": list(next_corunners), "free_slots": list(free_slots)}
+        score = value / unit if self.critic is None else self.critic(rollout_features(cands, value, ctx))
+        best = int(np.argmax(score))
+        pick = best if score[best] > self.margin else -1  # stay is worth 0
+        if self.explore > 0 and self._rng.random() < self.explore:
+            pick = int(self._rng.integers(-1, len(cands)))
+        if self.recorder is not None:
+            self.recorder(cands, value, {**ctx, "pick": pick})
+        if pick < 0:
+            return stay
+        self.relocations += 1
+        return candidate_decision(cands[pick], incoming, keep, t_cur, float(score[pick]) * unit, unknown)
+
+    def rollout_values(self, planner: Any, keep: Sequence[tuple[float, float]], data: np.ndarray,
+                       cands: Sequence[Mapping[str, Any]], incoming: Sequence[Mapping[str, Any]], steps: int,
+                       horizon: int, cost: float) -> np.ndarray:
+        """Each candidate's seconds saved over staying in ``horizon`` epochs of :func:`planner_rollout`, less the
+        restart ``cost`` (mean over the noise draws, common to all candidates)."""
         value = np.zeros(len(cands))
         draws = self.draws if self.noise > 0 else 1
         for k in range(draws):
             seed = self.seed + 7919 * self.decisions + k
-            base = planner_rollout(planner, keep, data_v, steps, horizon, self.noise, seed)
+            base = planner_rollout(planner, keep, data, steps, horizon, self.noise, seed)
             for j, c in enumerate(cands):
-                new_lines, new_data, moved = list(keep), data_v.copy(), {}
+                new_lines, new_data, moved = list(keep), np.array(data, dtype=np.float64), {}
                 for i, s in c["moves"].items():
                     slot = incoming[s]
                     new_lines[i] = (slot["intercept"], slot["slope"])
@@ -208,8 +244,4 @@ class PlanningRelocator(Relocator):
                     moved[i] = (new_lines[i], slot["data"])
                 t = planner_rollout(planner, new_lines, new_data, steps, horizon, self.noise, seed, seeds=moved)
                 value[j] += (base - t - cost) / draws
-        best = int(np.argmax(value))
-        if value[best] <= self.margin * t_cur * steps:  # stay is worth 0
-            return stay
-        self.relocations += 1
-        return candidate_decision(cands[best], incoming, keep, t_cur, float(value[best]), unknown)
+        return value
