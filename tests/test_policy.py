@@ -170,3 +170,37 @@ def test_guard_keeps_relocations_only_when_the_models_are_trusted():
     assert far.propose(**small).moves == [(1, 0)]
     guarded_far = AutoAllocator().guard(far)
     assert guarded_far.propose(**small).moves == [] and "payback" in guarded_far.last_reason
+
+
+def test_auto_learns_no_slowdown_from_a_rank_that_just_moved():
+    """A relocated rank's line one boundary after its move is still its first epoch's fit at the new place: a
+    co-runner arriving there is not learned as a measured slowdown (on a generated cluster one was measured as a
+    2x speed-up, and the next rank that co-runner joined was given twice its batch), while the same arrival
+    beside a rank that stayed put is."""
+    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): 1.5, ("v100", "video"): 1.4}))
+    bounds = Bounds.uniform(4)
+    models = [FAST] * 3 + [SLOW]
+    plan = auto.allocate(models, 256, bounds)
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 4)
+    plan = auto.allocate(models, 256, bounds, current=plan)
+    auto.moved([3])  # rank 3 relocated at this boundary; the re-plan follows
+    plan = auto.allocate(models, 256, bounds, current=plan)
+    # next boundary (scores the move): a video job is announced beside rank 0 and beside the moved rank 3
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
+    plan = auto.allocate(models, 256, bounds, current=plan)
+    # the epoch beside the video jobs measured rank 0 1.4x slower, and rank 3's young line at half its old one
+    measured = [_scaled(FAST, 1.4), FAST, FAST, _scaled(SLOW, 0.5)]
+    auto.set_context(devices=DEVICES, corunners=["video", None, None, "video"],
+                     next_corunners=["video", None, None, "video"])
+    auto.allocate(measured, 256, bounds, current=plan)
+    assert auto.measured_ratio("training", "v100", None, "video") == pytest.approx(1.4)
+    assert auto.measured_ratio("training", "t4", None, "video") is None
+    # without the move, the same measurement would have been learned
+    still = AutoAllocator(interference=TablePredictor({("t4", "video"): 1.5, ("v100", "video"): 1.4}))
+    p = still.allocate(models, 256, bounds)
+    still.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
+    p = still.allocate(models, 256, bounds, current=p)
+    still.set_context(devices=DEVICES, corunners=["video", None, None, "video"],
+                      next_corunners=["video", None, None, "video"])
+    still.allocate(measured, 256, bounds, current=p)
+    assert still.measured_ratio("training", "t4", None, "video") == pytest.approx(0.5)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.progress import Progress, is_quiet
 
 __all__ = ["DigitsCNN", "RunRecorder", "digits_datasets"]
@@ -106,6 +107,12 @@ class RunRecorder(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_bar": None}  # the bar belongs to the process that draws it
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The demo's stock-DDP baseline has none of the project's callbacks, which release the process group
+        # before the interpreter's teardown; without that, gloo's threads occasionally abort a spawned rank at
+        # exit ("terminate called without an active exception") after training finished, failing the run.
+        release_process_group_at_exit()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()

@@ -323,7 +323,7 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
     curves and interference, no later events); a critic trained on those returns chose worse on the validation
     split (1.011x / 1.018x the greedy rule on its two halves against 1.018x / 1.020x)."""
     from hetero_plugins.scheduler.planning import PlanningRelocator
-    from hetero_plugins.scheduler.rollout_correction import rollout_features
+    from hetero_plugins.scheduler.rollout_correction import ROLLOUT_FEATURES, rollout_features
 
     check_int("horizon", horizon, minimum=1, hint="e.g. 4 (epochs a realised return runs over)")
     check_float("explore", explore, minimum=0.0, maximum=1.0, hint="e.g. 0.2")
@@ -349,8 +349,6 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
             rel.recorder = recorder
             for e in range(run.epochs):
                 run.epoch(e)
-    from hetero_plugins.scheduler.rollout_correction import ROLLOUT_FEATURES
-
     return (np.concatenate(xs) if xs else np.zeros((0, len(ROLLOUT_FEATURES))), np.array(ys))
 
 

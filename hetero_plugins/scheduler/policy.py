@@ -299,6 +299,8 @@ class AutoAllocator(Allocator):
         self._residuals: deque[np.ndarray] = deque(maxlen=3)
         self._prev: dict[str, Any] | None = None
         self._after_move: list[int] | None = None
+        #: rank -> boundaries left before its lines count as measured at its place again (set by a relocation)
+        self._settling: dict[int, int] = {}
 
     # ---------------------------------------------------------------- the shared context
     def set_context(self, **context: Any) -> None:
@@ -355,6 +357,15 @@ class AutoAllocator(Allocator):
             if ok[i]:
                 self.move_errors.append(float(-ratio[i]))  # the NCF-priced line of its new place vs measured
             other[i] = True
+        # A moved rank's line one boundary after the move is still fitted from its first epoch at the new place
+        # (and what its model was seeded with): a slowdown or residual measured against it says more about that
+        # fit than about the co-runner (a co-runner arriving there measured as a 2x speed-up on one cluster).
+        for i in list(self._settling):
+            if 0 <= i < n:
+                other[i] = True
+            self._settling[i] -= 1
+            if self._settling[i] <= 0:
+                del self._settling[i]
         if ctx is not None:
             workload, devices, old, new = ctx
             for i in range(n):
@@ -371,6 +382,8 @@ class AutoAllocator(Allocator):
         """Tell the allocator that ``ranks`` were relocated (their lines are now predicted, not measured): the
         next decision is a re-plan at the same boundary, and the next boundary scores those predictions."""
         self._after_move = [int(r) for r in ranks]
+        for r in self._after_move:
+            self._settling[r] = 2  # the boundary scoring the move, and the next one
 
     # ---------------------------------------------------------------- the gate
     def _noise_reason(self) -> str:
