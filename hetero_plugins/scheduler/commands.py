@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,15 +252,8 @@ def transfer_main(argv: list[str] | None = None) -> int:
     if args.seconds <= 0:
         print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 20", file=sys.stderr)
         return 2
-    try:
-        sc = load_scenario(name)
-        _, stats = transfer_dqn(sc, source=args.model, seconds=args.seconds, seed=args.seed, out=args.out)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps({"out": args.out, **stats}, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return _train_and_report(args.out, lambda: transfer_dqn(load_scenario(name), source=args.model,
+                                                            seconds=args.seconds, seed=args.seed, out=args.out)[1])
 
 
 def pretrain_placement_main(argv: list[str] | None = None) -> int:
@@ -294,18 +288,14 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
             flag = name.replace("_", "-")
             print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 10", file=sys.stderr)
             return 2
-    try:
+    def train() -> dict[str, Any]:
         init = None if args.init is None else PlacementNetwork.load(None if args.init == "shipped" else args.init)
-        _, stats = pretrain_placement(seconds=args.seconds, seed=args.seed, out=args.out, family=args.family, net=init,
-                                      train_count=args.train, val_count=args.val, episodes_per_round=args.episodes,
-                                      max_rounds=args.rounds, resume=not args.no_resume,
-                                      fit_steps=args.fit_steps, returns=args.returns, horizon=args.horizon)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps({"out": args.out, **stats}, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+        return pretrain_placement(seconds=args.seconds, seed=args.seed, out=args.out, family=args.family, net=init,
+                                  train_count=args.train, val_count=args.val, episodes_per_round=args.episodes,
+                                  max_rounds=args.rounds, resume=not args.no_resume,
+                                  fit_steps=args.fit_steps, returns=args.returns, horizon=args.horizon)[1]
+
+    return _train_and_report(args.out, train)
 
 
 def pretrain_critic_main(argv: list[str] | None = None) -> int:
@@ -333,13 +323,19 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.explore <= 1.0:
         print(f"error: `--explore` must be in [0, 1], got {args.explore}. HINT: e.g. --explore 0.2", file=sys.stderr)
         return 2
+    return _train_and_report(args.out, lambda: pretrain_critic(
+        out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
+        explore=args.explore, horizon=args.horizon, members=args.members, steps=args.fit_steps, seed=args.seed)[1])
+
+
+def _train_and_report(out: str, train: Callable[[], dict[str, Any]]) -> int:
+    """Run a training command's ``train`` (which writes ``out`` and returns its statistics); print the statistics as
+    JSON and where the model went (exit 0), or the ``ValueError`` it raised (exit 2)."""
     try:
-        _, stats = pretrain_critic(out=args.out, family=args.family, train_count=args.train,
-                                   seeds=tuple(range(args.seeds)), explore=args.explore, horizon=args.horizon,
-                                   members=args.members, steps=args.fit_steps, seed=args.seed)
+        stats = train()
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": args.out, **stats}, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
+    print(json.dumps({"out": out, **stats}, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -393,7 +393,7 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed) if done else None
     for r in range(done, int(rounds)):
         bar = progress(total=len(train), desc=f"critic round {r + 1}/{rounds}: realised returns", unit="cluster")
-        for k, sc in enumerate(train):
+        for sc in train:
             x, y = collect_rollout_returns([sc], [s + 1000 * r for s in seeds], explore=explore, horizon=horizon,
                                            critic=model, known_future=known_future)
             xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
