@@ -99,6 +99,14 @@ def test_model_roundtrip_and_schema_check(tmp_path):
         PlacementNetwork([(np.zeros((3, 4)), np.zeros(4)), (np.zeros((4, 1)), np.zeros(1))])
     with pytest.raises(ValueError, match="HINT"):
         PlacementNetwork.load(tmp_path / "missing.npz")
+    # a file built for another feature list is refused, naming both lists and the command that rebuilds it
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k != "meta"}
+        meta = json.loads(str(z["meta"]))
+    meta["features"] = ["gain"]
+    np.savez(tmp_path / "old.npz", meta=np.array(json.dumps(meta)), **arrays)
+    with pytest.raises(ValueError, match=r"built for features \['gain'\].*pretrain-placement"):
+        PlacementNetwork.load(tmp_path / "old.npz")
 
 
 def test_pretrain_placement_command_tiny_run_and_resume(tmp_path, capsys):

@@ -79,7 +79,7 @@ def test_bad_input_names_the_argument():
         RolloutCorrection.fit(np.zeros((4, 3)), np.zeros(4))
     with pytest.raises(ValueError, match="members"):
         RolloutCorrection.fit(np.zeros((4, F)), np.zeros(4), members=0)
-    with pytest.raises(ValueError, match="maps 18 features"):
+    with pytest.raises(ValueError, match=f"maps {F} features"):
         RolloutCorrection([[(np.zeros((3, 1)), np.zeros(1))]], np.zeros(F), np.ones(F))
     with pytest.raises(ValueError, match="is not a hetero_plugins scheduler model"):
         PlanningRelocator(critic=__file__)
@@ -113,11 +113,18 @@ def test_realised_returns_and_pretraining(tmp_path):
     assert np.corrcoef(x[:, 0], y)[0, 1] > 0.3
     with pytest.raises(ValueError, match="explore"):
         collect_rollout_returns([spec], explore=1.5)
-    model, stats = pretrain_critic(out=tmp_path / "c.npz", train_count=1, seeds=(0,), members=2, steps=50,
-                                   scenarios=lambda split, n, fam: [dict(spec)])
-    assert stats["clusters"] == 1 and stats["rows"] > 0 and math.isfinite(stats["seconds"])
+    two = [dict(spec), dict(BUILTIN_SCENARIOS["elastic"])]
+    model, stats = pretrain_critic(out=tmp_path / "c.npz", train_count=2, seeds=(0,), members=2, steps=50,
+                                   scenarios=lambda split, n, fam: two)
+    assert stats["clusters"] == 2 and stats["rows"] > 0 and math.isfinite(stats["seconds"])
     r = PlanningRelocator(critic=str(tmp_path / "c.npz"))
     assert len(r.critic.members) == 2
+    # two worker processes collect the same samples in the same order, so the same model
+    again, stats2 = pretrain_critic(train_count=2, seeds=(0,), members=2, steps=50, workers=2,
+                                    scenarios=lambda split, n, fam: two)
+    assert stats2["rows"] == stats["rows"] and np.array_equal(again(x), model(x))
+    with pytest.raises(ValueError, match="workers"):
+        pretrain_critic(workers=0)
 
 
 def test_the_pretrain_critic_command_checks_its_options(capsys):

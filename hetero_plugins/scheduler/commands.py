@@ -313,9 +313,10 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--horizon", type=int, default=4, help="epochs a realised return runs over")
     parser.add_argument("--members", type=int, default=5, help="networks in the ensemble")
     parser.add_argument("--fit-steps", type=int, default=3000, help="gradient steps per member")
+    parser.add_argument("--workers", type=int, default=1, help="processes collecting the returns (same result)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("train", "seeds", "horizon", "members", "fit_steps"):
+    for name in ("train", "seeds", "horizon", "members", "fit_steps", "workers"):
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
             print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 2", file=sys.stderr)
@@ -325,7 +326,8 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
         return 2
     return _train_and_report(args.out, lambda: pretrain_critic(
         out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
-        explore=args.explore, horizon=args.horizon, members=args.members, steps=args.fit_steps, seed=args.seed)[1])
+        explore=args.explore, horizon=args.horizon, members=args.members, steps=args.fit_steps, seed=args.seed,
+        workers=args.workers)[1])
 
 
 def _train_and_report(out: str, train: Callable[[], dict[str, Any]]) -> int:

@@ -117,10 +117,13 @@ class DecisionContext:
 Layers = list[tuple[np.ndarray, np.ndarray]]
 
 
-def mlp_random(sizes: Sequence[int], seed: int) -> Layers:
-    """He-initialised ``[(W, b), ...]`` for an MLP with layer widths ``sizes`` (zero biases)."""
+def mlp_random(sizes: Sequence[int], seed: int, out_scale: float = 1.0) -> Layers:
+    """He-initialised ``[(W, b), ...]`` for an MLP with layer widths ``sizes`` (zero biases); the output layer's
+    weights times ``out_scale`` (e.g. 0.01: a network that starts near zero everywhere)."""
     rng = np.random.default_rng(seed)
-    return [(rng.normal(0, math.sqrt(2.0 / i), (i, o)), np.zeros(o)) for i, o in zip(sizes[:-1], sizes[1:])]
+    layers = [(rng.normal(0, math.sqrt(2.0 / i), (i, o)), np.zeros(o)) for i, o in zip(sizes[:-1], sizes[1:])]
+    layers[-1] = (layers[-1][0] * out_scale, layers[-1][1])
+    return layers
 
 
 def mlp_forward(layers: Layers, x: np.ndarray, dtype: Any) -> np.ndarray:
@@ -207,8 +210,18 @@ def write_model(path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str,
     return path
 
 
-def read_model(source: str | Path | None, kind: str, default: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def read_model(source: str | Path | None, kind: str, default: str, features: Sequence[str] | None = None,
+               feature_key: str = "features", rebuild: str = "`hetero-plugins pretrain`",
+               ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Load a model file written by :func:`write_model`; ``None`` loads the shipped ``default`` resource.
+
+    Args:
+        source: the file, or ``None`` for the shipped one.
+        kind: the model kind its metadata must name.
+        default: the shipped file's name under ``hetero_plugins/scheduler/models``.
+        features: the feature list its metadata must hold under ``feature_key`` (``None``: not checked; the
+            ``dqn`` kind always checks :data:`FEATURES` and the schema version).
+        rebuild: the command the error names to rebuild a file built for other features.
 
     Raises:
         ValueError: the file is missing, is not a ``kind`` model, or was built for another feature schema.
@@ -234,4 +247,7 @@ def read_model(source: str | Path | None, kind: str, default: str) -> tuple[dict
             f"(features {list(FEATURES)}). HINT: rebuild it with `hetero-plugins pretrain` (or `transfer` from the "
             "shipped model), or pass model=None to use the shipped default."
         )
+    if features is not None and meta.get(feature_key) != list(features):
+        raise ValueError(f"{label} was built for features {meta.get(feature_key)}, this version uses "
+                         f"{list(features)}. HINT: rebuild it with {rebuild}, or load the shipped one (path None).")
     return arrays, meta

@@ -124,18 +124,13 @@ class PlacementNetwork:
     @classmethod
     def random(cls, hidden: Sequence[int] = (32, 32), seed: int = 0) -> PlacementNetwork:
         """An untrained network (He-initialised, output layer near zero: "stay" everywhere)."""
-        layers = mlp_random([_F, *hidden, 1], seed)
-        layers[-1] = (layers[-1][0] * 0.01, layers[-1][1])
-        return cls(layers)
+        return cls(mlp_random([_F, *hidden, 1], seed, out_scale=0.01))
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> PlacementNetwork:
         """Load a model file (``None``: the shipped one); refuses another feature list."""
-        arrays, meta = read_model(path, "placement", DEFAULT_PLACEMENT_MODEL)
-        if meta.get("features") != list(PLACEMENT_FEATURES):
-            raise ValueError(f"placement model {str(path or DEFAULT_PLACEMENT_MODEL)!r} was built for features "
-                             f"{meta.get('features')}, this version uses {list(PLACEMENT_FEATURES)}. HINT: rebuild it "
-                             "with `hetero-plugins pretrain-placement`, or pass model=None for the shipped one.")
+        arrays, meta = read_model(path, "placement", DEFAULT_PLACEMENT_MODEL, PLACEMENT_FEATURES,
+                                  rebuild="`hetero-plugins pretrain-placement`")
         return cls(mlp_from_arrays(arrays), meta)
 
     def save(self, path: str | Path, **meta: Any) -> Path:

@@ -15,10 +15,11 @@ known, was no better than the greedy rule on the validation split.) The network 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -352,12 +353,29 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
     return (np.concatenate(xs) if xs else np.zeros((0, len(ROLLOUT_FEATURES))), np.array(ys))
 
 
+def _collect_cluster(spec: Mapping[str, Any], **kw: Any) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`collect_rollout_returns` of one scenario (a worker's unit of :func:`pretrain_critic`)."""
+    return collect_rollout_returns([spec], **kw)
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[Any]:
+    """A process pool of ``workers`` (``None`` for one: work in this process)."""
+    if workers <= 1:
+        yield None
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield pool
+
+
 def pretrain_critic(out: str | Path | None = None, family: str = "default", train_count: int = 150,
                     seeds: Sequence[int] = (0, 1), rounds: int = 2, explore: float = 0.2, horizon: int = 4,
                     members: int = 5, hidden: Sequence[int] = (32, 32), steps: int = 3000, seed: int = 0,
                     known_future: bool = True, resume: bool = True,
                     scenarios: Callable[[str, int, str], list[dict[str, Any]]] | None = None,
-                    ) -> tuple[Any, dict[str, Any]]:
+                    workers: int = 1) -> tuple[Any, dict[str, Any]]:
     """Train the :class:`~hetero_plugins.scheduler.rollout_correction.RolloutCorrection` of the planning
     relocator on the *train* split of ``family``: the realised returns of every candidate met in closed-loop runs
     of its first ``train_count`` scenarios with churn and free slots (:func:`collect_rollout_returns`, noise
@@ -368,11 +386,13 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     with the critic fit so far, and each refit uses every sample so far (as DAgger does, Ross et al., AISTATS
     2011: the critic is corrected on the states its own choices lead to). With ``out`` and ``resume``, the samples
     and the rounds done are checkpointed to ``<out>.ckpt.npz`` after each round and a later call continues.
-    Returns the model and its training statistics."""
+    ``workers`` > 1 collects the clusters in that many processes; the samples, their order and so the model are
+    the same as with one. Returns the model and its training statistics."""
     from hetero_plugins.scheduler.rollout_correction import ROLLOUT_FEATURES, RolloutCorrection
 
     check_int("train_count", train_count, minimum=1, hint="e.g. 150")
     check_int("rounds", rounds, minimum=1, hint="e.g. 2")
+    check_int("workers", workers, minimum=1, hint="e.g. 2 (processes; at most the cores)")
     if not seeds:
         raise ValueError("`seeds` is empty. HINT: give at least one noise seed, e.g. seeds=(0, 1).")
     get = scenarios or relocation_scenarios
@@ -393,11 +413,12 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed) if done else None
     for r in range(done, int(rounds)):
         bar = progress(total=len(train), desc=f"critic round {r + 1}/{rounds}: realised returns", unit="cluster")
-        for sc in train:
-            x, y = collect_rollout_returns([sc], [s + 1000 * r for s in seeds], explore=explore, horizon=horizon,
-                                           critic=model, known_future=known_future)
-            xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
-            bar.update(1)
+        collect_one = functools.partial(_collect_cluster, seeds=[s + 1000 * r for s in seeds], explore=explore,
+                                        horizon=horizon, critic=model, known_future=known_future)
+        with _pool(workers) as pool:
+            for x, y in (pool.imap(collect_one, train) if pool is not None else map(collect_one, train)):
+                xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
+                bar.update(1)
         bar.close()
         model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed)
         history.append({"round": r + 1, "rows": int(len(ys)), "seconds": round(time.perf_counter() - t0, 1)})

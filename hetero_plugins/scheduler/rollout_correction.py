@@ -142,8 +142,7 @@ class RolloutCorrection:
         z = (x - mean) / scale
         out = []
         for k in range(int(members)):
-            layers = mlp_random([_F, *hidden, 1], seed + k)
-            layers[-1] = (layers[-1][0] * 0.01, layers[-1][1])
+            layers = mlp_random([_F, *hidden, 1], seed + k, out_scale=0.01)
             mlp_fit(layers, z, np.clip(y, -clip, clip), steps=steps, lr=lr, seed=seed + k)
             out.append(layers)
         return cls(out, mean, scale, {"rows": int(len(y)), "members": int(members), "hidden": list(hidden),
@@ -156,12 +155,8 @@ class RolloutCorrection:
     @classmethod
     def load(cls, path: str | Path | None = None) -> RolloutCorrection:
         """Load a model file (``None``: the shipped one); refuses another feature list."""
-        arrays, meta = read_model(path, "rollout_correction", DEFAULT_CORRECTION_MODEL)
-        if meta.get("rollout_features") != list(ROLLOUT_FEATURES):
-            raise ValueError(f"rollout correction {str(path or DEFAULT_CORRECTION_MODEL)!r} was built for features "
-                             f"{meta.get('rollout_features')}, this version uses {list(ROLLOUT_FEATURES)}. HINT: "
-                             "rebuild it with `hetero-plugins pretrain-critic`, or pass critic=None to the "
-                             "PlanningRelocator.")
+        arrays, meta = read_model(path, "rollout_correction", DEFAULT_CORRECTION_MODEL, ROLLOUT_FEATURES,
+                                  feature_key="rollout_features", rebuild="`hetero-plugins pretrain-critic`")
         count = int(meta.get("members", 0))
         members = [[(arrays[f"m{k}_W{i}"], arrays[f"m{k}_b{i}"])
                     for i in range(len([a for a in arrays if a.startswith(f"m{k}_W")]))] for k in range(count)]
