@@ -360,13 +360,15 @@ def _collect_cluster(spec: Mapping[str, Any], **kw: Any) -> tuple[np.ndarray, np
 
 @contextlib.contextmanager
 def _pool(workers: int) -> Iterator[Any]:
-    """A process pool of ``workers`` (``None`` for one: work in this process)."""
+    """A process pool of ``workers`` (``None`` for one: work in this process). A worker that dies (killed, out of
+    memory) fails the call with ``BrokenProcessPool`` instead of leaving it waiting."""
     if workers <= 1:
         yield None
         return
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         yield pool
 
 
@@ -416,7 +418,7 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
         collect_one = functools.partial(_collect_cluster, seeds=[s + 1000 * r for s in seeds], explore=explore,
                                         horizon=horizon, critic=model, known_future=known_future)
         with _pool(workers) as pool:
-            for x, y in (pool.imap(collect_one, train) if pool is not None else map(collect_one, train)):
+            for x, y in (pool.map(collect_one, train) if pool is not None else map(collect_one, train)):
                 xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
                 bar.update(1)
         bar.close()
