@@ -160,3 +160,39 @@ def test_make_relocator_builds_the_planned_policy_with_the_shipped_critic():
     assert "planned_critic" in RELOCATION_POLICIES and isinstance(r, PlanningRelocator)
     assert isinstance(r.critic, RolloutCorrection) and r.critic.meta["trained"]["family"] == "default"
     assert make_relocator("planned", sc).critic is None
+
+
+def test_the_planning_relocator_learns_caution_from_a_move_that_gained_less_than_priced():
+    """adapt: after a move, the gain the lines show over the places left is compared with the gain the move was
+    priced at; the shortfall is asked of every later move (over the rollout horizon, 4 epochs here), and a large
+    one stops them. A relocator with adapt=False (the default beside a critic) keeps pricing as before."""
+    kw = dict(corunners=[None, None], next_corunners=[None, None], global_batch=512, steps_per_epoch=20,
+              epochs_left=5)
+    slow, fast = (0.006, 0.0024), (0.005, 0.0005)
+    r = PlanningRelocator(restart_cost=0.0, noise=0.0, horizon=4)
+    assert r.adapt and not PlanningRelocator(critic=_zero_critic()).adapt
+    first = r.propose(devices=["v100", "t4"], lines=[fast, slow], free_slots=[{"device": "v100"}],
+                      planner=_planner([fast, slow], 512), **kw)
+    assert first.moves == [(1, 0)] and r.shortfall == 0.0
+    priced = 1.0 - first.step_time / first.current_step_time
+    # one epoch later the moved rank's fitted line is as slow as at its old place: the move gained nothing
+    again = dict(devices=["v100", "v100"], lines=[fast, slow], free_slots=[{"device": "t4"}, {"device": "v100"}],
+                 planner=_planner([fast, slow], 512), **kw)
+    r.propose(**again)
+    assert r.shortfall == pytest.approx(0.5 * priced)  # smoothed: half the first shortfall
+    # every later candidate's value (epochs of the current step) is lowered by the shortfall over the horizon
+    r.shortfall = 0.02
+    after = r.propose(**dict(again, planner=_planner([fast, slow], 512)))
+    fresh = PlanningRelocator(restart_cost=0.0, noise=0.0, horizon=4, adapt=False).propose(**again)
+    assert fresh.moves == after.moves == [(1, 1)]
+    unit = fresh.current_step_time * 20
+    assert fresh.saved_seconds - after.saved_seconds == pytest.approx(0.02 * 4 * unit, rel=1e-9)
+    r.shortfall = 10.0  # moves that kept falling short: nothing pays any more
+    assert r.propose(**dict(again, planner=_planner([fast, slow], 512))).moves == []
+
+
+def _zero_critic():
+    from hetero_plugins.scheduler.rollout_correction import ROLLOUT_FEATURES, RolloutCorrection
+
+    f = len(ROLLOUT_FEATURES)
+    return RolloutCorrection([[(np.zeros((f, 1)), np.zeros(1))]], np.zeros(f), np.ones(f))

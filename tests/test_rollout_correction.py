@@ -90,7 +90,7 @@ def test_a_critic_that_repeats_the_rollout_value_changes_nothing():
     planning relocator (run for run), one that values every move below staying never moves."""
     sc = load_scenario(BUILTIN_SCENARIOS["interference"])
     kw = {"workload": sc.workload, "restart_cost": sc.restart_cost}
-    plain = PlanningRelocator(**kw)
+    plain = PlanningRelocator(adapt=False, **kw)  # a critic's relocator does not adapt by default
     same = PlanningRelocator(critic=_linear({"value": 1.0}), **kw)
     a = simulate(sc, "equal_finish", seed=0, relocation=plain)
     b = simulate(sc, "equal_finish", seed=0, relocation=same)

@@ -335,7 +335,7 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
         sc = load_scenario(dict(spec))
         for seed in seeds:
             rel = PlanningRelocator(predictor=predictor, workload=sc.workload, restart_cost=sc.restart_cost,
-                                    critic=critic, seed=seed)
+                                    critic=critic, adapt=False, seed=seed)  # the states the critic will meet
             rel.explore = float(explore)
             run = SimulationRun(ClusterSim(sc, seed=seed), "equal_finish", None, 0.03, True, rel)
 
