@@ -189,6 +189,8 @@ def test_the_planning_relocator_learns_caution_from_a_move_that_gained_less_than
     assert fresh.saved_seconds - after.saved_seconds == pytest.approx(0.02 * 4 * unit, rel=1e-9)
     r.shortfall = 10.0  # moves that kept falling short: nothing pays any more
     assert r.propose(**dict(again, planner=_planner([fast, slow], 512))).moves == []
+    with pytest.raises(ValueError, match="`adapt` must be True or False, got 'yes'"):
+        PlanningRelocator(adapt="yes")
 
 
 def _zero_critic():

@@ -19,7 +19,8 @@ from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation
 
-__all__ = ["candidate_actions", "candidate_decision", "free_homes", "placement_step_time"]
+__all__ = ["candidate_actions", "candidate_decision", "free_homes", "move_record", "placement_step_time",
+           "realised_gain"]
 
 
 def placement_step_time(lines: Sequence[Mapping[str, float]], global_batch: int) -> float:
@@ -102,3 +103,24 @@ def free_homes(places: Sequence[Any] | None, homes: Sequence[Any] | None, free_s
     slot_ids = [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
     by_place = {slot_ids[x["free_slot"]]: j for j, x in enumerate(incoming)}
     return {i: by_place[h] for i, (p, h) in enumerate(zip(places, homes)) if p != h and h in by_place}
+
+
+def move_record(cand: Mapping[str, Any], own: Sequence[Mapping[str, float]], t_cur: float,
+                after: Sequence[Any] | None) -> dict[str, Any]:
+    """What a relocator keeps of the candidate ``cand`` it applied, to learn from at the next boundary
+    (:func:`realised_gain`): the movers, every rank's line before (``own``), the place ids after (``None``:
+    unknown) and the gain the move was priced at, ``1 - t_new / t_cur``."""
+    return {"moves": set(cand["moves"]), "stay": list(own), "after": None if after is None else list(after),
+            "predicted": 1.0 - cand["t_new"] / t_cur}
+
+
+def realised_gain(last: Mapping[str, Any], now: Sequence[Mapping[str, float]], global_batch: int,
+                  places: Sequence[Any] | None = None) -> float | None:
+    """The gain over staying that the lines ``now`` show for the move :func:`move_record` recorded: the movers'
+    lines now against their lines before, the others' lines now on both sides. ``None`` when the two cannot be
+    compared (another world size, or the ranks are not at the places the move left them)."""
+    if len(now) != len(last["stay"]) or (places is not None and last["after"] is not None
+                                         and list(places) != last["after"]):
+        return None
+    stay = [last["stay"][i] if i in last["moves"] else now[i] for i in range(len(now))]
+    return 1.0 - placement_step_time(now, global_batch) / placement_step_time(stay, global_batch)

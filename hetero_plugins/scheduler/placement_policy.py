@@ -66,7 +66,9 @@ from hetero_plugins.scheduler.candidates import (
     candidate_actions,
     candidate_decision,
     free_homes,
+    move_record,
     placement_step_time,
+    realised_gain,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
@@ -245,11 +247,10 @@ class LearnedRelocator(Relocator):
                  global_batch: int) -> None:
         """Compare the last move's predicted saving with what the fitted lines show now; learn online."""
         last, self._last = self._last, None
-        if last is None or len(lines) != len(last["stay"]) or places != last["after"]:
-            return
         now = [{"intercept": a, "slope": b, "data": float(d)} for (a, b), d in zip(lines, data)]
-        stay = [last["stay"][i] if i in last["moves"] else now[i] for i in range(len(now))]
-        observed = 1.0 - placement_step_time(now, global_batch) / placement_step_time(stay, global_batch)
+        observed = None if last is None else realised_gain(last, now, global_batch, places)
+        if observed is None:
+            return
         error = observed - last["predicted"]
         self.residual = 0.7 * self.residual + 0.3 * min(abs(error), 1.0)
         if not self.online:
@@ -338,8 +339,7 @@ class LearnedRelocator(Relocator):
         after = list(places_l)
         for i, j in c["moves"].items():
             after[i] = slot_ids[incoming[j]["free_slot"]]
-        self._last = {"x": x[pick], "moves": set(c["moves"]), "stay": own, "after": after,
-                      "predicted": 1.0 - c["t_new"] / t_cur, "epochs_left": int(epochs_left)}
+        self._last = {**move_record(c, own, t_cur, after), "x": x[pick], "epochs_left": int(epochs_left)}
         self.relocations += 1
         return candidate_decision(c, incoming, keep, t_cur, float(q[pick]) * t_cur * steps_per_epoch, unknown)
 

@@ -27,12 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins._validation import check_float, check_int
+from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.scheduler.candidates import (
     candidate_actions,
     candidate_decision,
     free_homes,
+    move_record,
     placement_step_time,
+    realised_gain,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 from hetero_plugins.scheduler.rollout_correction import RolloutCorrection, rollout_features
@@ -165,7 +167,8 @@ class PlanningRelocator(Relocator):
         self.best_slots = check_int("best_slots", best_slots, minimum=1, hint="e.g. 6")
         self.critic = critic if critic is None or isinstance(critic, RolloutCorrection) \
             else RolloutCorrection.load(None if critic == "shipped" else critic)
-        self.adapt = self.critic is None if adapt is None else bool(adapt)
+        self.adapt = self.critic is None if adapt is None else check_bool(
+            "adapt", adapt, hint="True, False, or None (on without a critic)")
         self.shortfall = 0.0  #: how much less its moves gained than predicted (relative step time, smoothed)
         self._last: dict[str, Any] | None = None
         self.seed = int(seed)
@@ -239,21 +242,18 @@ class PlanningRelocator(Relocator):
             return stay
         self.relocations += 1
         c = cands[pick]
-        self._last = {"stay": own, "moves": set(c["moves"]), "predicted": 1.0 - c["t_new"] / t_cur,
-                      "after": None if places is None else
-                      [free_slots[incoming[c["moves"][i]]["free_slot"]].get("place") if i in c["moves"] else p
-                       for i, p in enumerate(places)]}
+        slot_ids = [f.get("place", ("free", k)) for k, f in enumerate(free_slots)]
+        self._last = move_record(c, own, t_cur, None if places is None else
+                                 [slot_ids[incoming[c["moves"][i]]["free_slot"]] if i in c["moves"] else p
+                                  for i, p in enumerate(places)])
         return candidate_decision(c, incoming, keep, t_cur, float(score[pick]) * unit, unknown)
 
     def _observe(self, own: Sequence[Mapping[str, float]], global_batch: int, places: Sequence[Any] | None) -> None:
         """After a move: how much less the fitted lines now gain over the old places than the move was priced at."""
         last, self._last = self._last, None
-        if last is None or len(own) != len(last["stay"]) or (places is not None and last["after"] is not None
-                                                             and list(places) != last["after"]):
-            return
-        stay = [last["stay"][i] if i in last["moves"] else own[i] for i in range(len(own))]
-        observed = 1.0 - placement_step_time(own, global_batch) / placement_step_time(stay, global_batch)
-        self.shortfall = 0.5 * self.shortfall + 0.5 * max(last["predicted"] - observed, 0.0)
+        observed = None if last is None else realised_gain(last, own, global_batch, places)
+        if observed is not None:
+            self.shortfall = 0.5 * self.shortfall + 0.5 * max(last["predicted"] - observed, 0.0)
 
     def rollout_values(self, planner: Any, keep: Sequence[tuple[float, float]], data: np.ndarray,
                        cands: Sequence[Mapping[str, Any]], incoming: Sequence[Mapping[str, Any]], steps: int,
