@@ -274,3 +274,43 @@ def test_the_placement_ceiling_benchmark_runs_its_rollout_choosers(tmp_path):
     assert row["clairvoyant"] > row["none"] and row["clairvoyant"] > row["greedy"]
     with pytest.raises(SystemExit):
         mod.main(["--horizon", "0", "--out", str(out)])
+
+
+def test_the_scheduler_benchmark_averages_placement_over_its_placement_only_clusters():
+    """``benchmarks/scheduler_bench.py``: a test cluster beyond ``--test-count`` runs the relocation policies
+    alone, its ratios are its policies' throughputs over ``equal_finish`` and the greedy rule's, and the placement
+    targets average over those clusters and the full rows' clusters with churn and slots (never the others); a
+    placement count below the test count is refused by name."""
+    import importlib.util
+    from pathlib import Path
+
+    from hetero_plugins.scheduler.sim.family import family_scenarios
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
+    spec = importlib.util.spec_from_file_location("scheduler_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cluster = min((s for s in family_scenarios("test", 8) if mod.has_churn_and_slots(s)),
+                  key=lambda s: len(s["ranks"]))
+    row = mod.run_placement(cluster, mod.Components(), [0])
+    mean = row["samples_per_s"]
+    assert set(mean) == set(mod.RELOCATIONS) and all(v > 0 for v in mean.values())
+    assert row["learned_vs_none"] == pytest.approx(mean["learned"] / mean["equal_finish"])
+    assert row["planned_vs_greedy"] == pytest.approx(mean["planned"] / mean["greedy"])
+
+    def full(name, churn, ratio):
+        return {"scenario": name, "split": "test", "churn_and_slots": churn,
+                "vs_best_analytic": {"auto": 1.0, "dqn": 1.0}, "learned_vs_greedy": ratio, "learned_vs_none": ratio,
+                "greedy_vs_none": 1.0}
+
+    res = {"scenarios": [full("a", True, 1.2), full("b", False, 0.5)], "placement_scenarios": [row],
+           "placement_count": 8, "ncf_leave_pairs_out": {"ncf_mean_rel_error": 0.05, "additive_mean_rel_error": 0.2},
+           "transfer": {"skipped": "test"},
+           "latency_1024_ranks": {"world_size": 1024,
+                                  **{a: {"median_ms": 1.0} for a in ("equal_finish", "dqn", "auto")}}}
+    rows = {t["target"].split(",")[0]: t for t in mod.targets(res)}
+    learned = next(t for k, t in rows.items() if k.startswith("learned placement vs greedy"))
+    assert "the 2 test scenarios with churn + slots among the first 8 seeds" in learned["target"]
+    assert float(learned["figures"]) == pytest.approx((1.2 + row["learned_vs_greedy"]) / 2, abs=1e-3)
+    with pytest.raises(SystemExit):
+        mod.main(["--test-count", "5", "--placement-count", "2"])

@@ -224,14 +224,15 @@ def test_cluster_advisor_context_relocation_and_a_file_caught_mid_write(tmp_path
 
 
 def test_default_relocation_is_the_learned_one_under_autos_guard(tmp_path):
-    """relocation=True with the default allocator ("auto"): the placement Q-network decides, auto guards it; with
-    another allocator, the greedy Relocator."""
+    """relocation=True with the default allocator ("auto"): the planning relocator with the shipped critic decides
+    (it is handed the planner and rolls it forward), auto guards it; with another allocator, the greedy Relocator."""
     from hetero_plugins.balancing.allocators import get_allocator
     from hetero_plugins.balancing.options import BalancingOptions
     from hetero_plugins.balancing.planner import BalancePlanner
     from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
-    from hetero_plugins.scheduler.placement_policy import LearnedRelocator
+    from hetero_plugins.scheduler.planning import PlanningRelocator
     from hetero_plugins.scheduler.policy import AutoAllocator
+    from hetero_plugins.scheduler.rollout_correction import RolloutCorrection
     from hetero_plugins.scheduler.safety import GuardedRelocator
 
     assert BalancingOptions().allocator == "auto" and BalancingOptions().relocation is True
@@ -249,7 +250,8 @@ def test_default_relocation_is_the_learned_one_under_autos_guard(tmp_path):
         rel = adv._get_relocator()  # noqa: SLF001 - what the default built
         assert type(rel) is kind
         if name == "auto":
-            assert isinstance(rel.inner, LearnedRelocator) and rel.allocator is planner.allocator
+            assert isinstance(rel.inner, PlanningRelocator) and rel.allocator is planner.allocator
+            assert isinstance(rel.inner.critic, RolloutCorrection) and not rel.inner.adapt
             assert isinstance(planner.allocator, AutoAllocator) and rel.inner.decisions == 1
         # The t4 at 2.4x the v100's cost per sample: a free v100 pays for the default 60 s restart over 5 epochs
         # of 10 steps only if a step is long; here it is ~40 ms, so neither policy moves.
@@ -319,7 +321,7 @@ def test_plan_relocation_names_bad_arguments():
 def test_simulate_command_relocates_as_the_integrations_do():
     from hetero_plugins.balancing.allocators import get_allocator
     from hetero_plugins.scheduler.commands import compare, default_relocation
-    from hetero_plugins.scheduler.placement_policy import LearnedRelocator
+    from hetero_plugins.scheduler.planning import PlanningRelocator
     from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
     from hetero_plugins.scheduler.safety import GuardedRelocator
     from hetero_plugins.scheduler.sim import load_scenario
@@ -327,7 +329,8 @@ def test_simulate_command_relocates_as_the_integrations_do():
     sc = load_scenario("interference")
     auto = AutoAllocator()
     guarded = default_relocation(auto, sc, True)
-    assert isinstance(guarded, GuardedRelocator) and isinstance(guarded.inner, LearnedRelocator)
+    assert isinstance(guarded, GuardedRelocator) and isinstance(guarded.inner, PlanningRelocator)
+    assert guarded.inner.critic is not None
     assert guarded.inner.restart_cost == sc.restart_cost and guarded.allocator is auto
     for other in (DQNAllocator(), get_allocator("lbb")):  # as in the integrations: the greedy Relocator
         greedy = default_relocation(other, sc, True)

@@ -120,8 +120,9 @@ class BalancingOptions:
             Rank 0 reads it: allocators with ``set_context`` (``"dqn"``, ``"auto"``) get the co-runner changes
             and the measured data times before each epoch-end decision.
         relocation: with free slots in the cluster description, rank 0 decides at every epoch end whether
-            moving ranks to them pays for a restart (``True``: with ``allocator="auto"`` the learned
-            :class:`~hetero_plugins.scheduler.placement_policy.LearnedRelocator` under ``auto``'s guard, with any
+            moving ranks to them pays for a restart (``True``: with ``allocator="auto"`` the model-based
+            :class:`~hetero_plugins.scheduler.planning.PlanningRelocator` with the shipped critic (a learned
+            correction of its rollout values) under ``auto``'s guard, with any
             other allocator the greedy :class:`~hetero_plugins.scheduler.relocation.Relocator`; 60 s per restart;
             ``False``: off; or a ``Relocator``). A gaining relocation is logged, added to ``plan_history`` as ``relocation`` and
             written as a restart spec, with a ``RuntimeWarning`` naming the gain.

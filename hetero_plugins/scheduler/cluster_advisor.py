@@ -38,9 +38,9 @@ class ClusterAdvisor:
 
     Args:
         source: the cluster description: a JSON file path (re-read at every call) or a callable ``epoch -> dict``.
-        relocation: ``True`` (the default: with an allocator that has ``guard``, such as ``"auto"``, the learned
-            :class:`~hetero_plugins.scheduler.placement_policy.LearnedRelocator` under that allocator's guard,
-            else a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False`` (never relocate)
+        relocation: ``True`` (the default: with an allocator that has ``guard``, such as ``"auto"``, the
+            :class:`~hetero_plugins.scheduler.planning.PlanningRelocator` with the shipped critic under that
+            allocator's guard, else a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False`` (never relocate)
             or a ``Relocator``.
 
     Attributes:
@@ -133,7 +133,8 @@ class ClusterAdvisor:
 
     def _get_relocator(self) -> Any:
         """The relocator deciding the moves (``None`` with ``relocation=False``); with ``relocation=True``, built at
-        the first decision: ``auto``'s guard around the learned relocator, or the greedy ``Relocator``."""
+        the first decision: ``auto``'s guard around the critic-corrected planning relocator, or the greedy
+        ``Relocator``."""
         if self._relocator is None and self.relocation is True:
             from hetero_plugins.scheduler.placement_policy import default_relocator
 

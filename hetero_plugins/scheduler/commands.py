@@ -39,8 +39,8 @@ ANALYTIC = ("static", "proportional", "equal_finish", "lbb")
 
 def default_relocation(alloc: Any, sc: Any, relocation: Any) -> Any:
     """``relocation`` for a simulated run of ``alloc``: ``True`` becomes what it means in the integrations
-    (:func:`~hetero_plugins.scheduler.placement_policy.default_relocator`: ``auto``'s guard around the learned
-    relocator, else the greedy ``Relocator``); anything else is returned as given."""
+    (:func:`~hetero_plugins.scheduler.placement_policy.default_relocator`: ``auto``'s guard around the planning
+    relocator with the shipped critic, else the greedy ``Relocator``); anything else is returned as given."""
     if relocation is not True:
         return relocation
     from hetero_plugins.scheduler.placement_policy import default_relocator
