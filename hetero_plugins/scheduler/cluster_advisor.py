@@ -40,8 +40,8 @@ class ClusterAdvisor:
         source: the cluster description: a JSON file path (re-read at every call) or a callable ``epoch -> dict``.
         relocation: ``True`` (the default: with an allocator that has ``guard``, such as ``"auto"``, the
             :class:`~hetero_plugins.scheduler.planning.PlanningRelocator` with the shipped critic under that
-            allocator's guard, else a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False`` (never relocate)
-            or a ``Relocator``.
+            allocator's guard, else a default :class:`~hetero_plugins.scheduler.relocation.Relocator`), ``False``
+            (never relocate) or a ``Relocator``.
 
     Attributes:
         placement: the placement in force during the current epoch (``None`` before :meth:`start`).
