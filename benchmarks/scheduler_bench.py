@@ -187,14 +187,19 @@ def placement_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         list(res.get("placement_scenarios", []))
 
 
+def test_specs(count: int, table: Any = None) -> list[dict[str, Any]]:
+    """The test split's first ``count`` scenarios, interference drawn from the measured ``table`` (default the
+    shipped one)."""
+    return family_scenarios("test", count, **({} if table is None else {"table": table}))
+
+
 def scenario_sets(test_count: int, quick: bool, table: Any = None) -> tuple[list[tuple[str, dict[str, Any]]], str]:
     """``(split, spec)`` of the test split's first ``test_count`` scenarios (drawn with the measured ``table``,
     default the shipped one) and the built-ins."""
     out: list[tuple[str, dict[str, Any]]] = []
     note = "no test scenarios"
     if test_count > 0:
-        kw = {} if table is None else {"table": table}
-        out += [("test", s) for s in family_scenarios("test", test_count, **kw)]
+        out += [("test", s) for s in test_specs(test_count, table)]
         note = (f"family 'default', test split, first {test_count} seeds"
                 + ("" if table is None else ", interference from the table given with --table"))
     for name in ("static_mix", "interference", "elastic") if quick else BUILTINS:
@@ -451,8 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"learned/none {_fmt(row.get('learned_vs_none'))}, "
                   f"greedy/none {row['greedy_vs_none']:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
         if count:
-            kw = {} if table_arg is None else {"table": table_arg}
-            extra = [s for s in family_scenarios("test", placement, **kw)[count:] if has_churn_and_slots(s)]
+            extra = [s for s in test_specs(placement, table_arg)[count:] if has_churn_and_slots(s)]
             for k, spec in enumerate(extra):
                 t1 = time.perf_counter()
                 row = run_placement(spec, comp, seeds)

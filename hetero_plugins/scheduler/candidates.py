@@ -20,7 +20,7 @@ from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation
 
 __all__ = ["candidate_actions", "candidate_decision", "free_homes", "move_record", "placement_step_time",
-           "realised_gain"]
+           "places_after", "realised_gain", "slot_places"]
 
 
 def placement_step_time(lines: Sequence[Mapping[str, float]], global_batch: int) -> float:
@@ -100,9 +100,24 @@ def free_homes(places: Sequence[Any] | None, homes: Sequence[Any] | None, free_s
     ``"place"``, else ``("free", k)``."""
     if places is None or homes is None:
         return {}
-    slot_ids = [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
+    slot_ids = slot_places(free_slots)
     by_place = {slot_ids[x["free_slot"]]: j for j, x in enumerate(incoming)}
     return {i: by_place[h] for i, (p, h) in enumerate(zip(places, homes)) if p != h and h in by_place}
+
+
+def slot_places(free_slots: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """Each free slot's place id: its ``"place"``, else ``("free", k)``."""
+    return [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
+
+
+def places_after(cand: Mapping[str, Any], incoming: Sequence[Mapping[str, Any]], slot_ids: Sequence[Any],
+                 places: Sequence[Any]) -> list[Any]:
+    """Every rank's place id once the candidate ``cand`` is applied: each mover at its free slot's id
+    (``slot_ids``: :func:`slot_places`), the others where they are (``places``)."""
+    after = list(places)
+    for i, j in cand["moves"].items():
+        after[i] = slot_ids[incoming[j]["free_slot"]]
+    return after
 
 
 def move_record(cand: Mapping[str, Any], own: Sequence[Mapping[str, float]], t_cur: float,

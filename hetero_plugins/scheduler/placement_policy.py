@@ -68,7 +68,9 @@ from hetero_plugins.scheduler.candidates import (
     free_homes,
     move_record,
     placement_step_time,
+    places_after,
     realised_gain,
+    slot_places,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
@@ -300,7 +302,7 @@ class LearnedRelocator(Relocator):
         wl = workload or self.workload
         data_v = np.zeros(n) if data is None else np.asarray(data, dtype=np.float64)
         places_l = [("rank", i) for i in range(n)] if places is None else list(places)
-        slot_ids = [s.get("place", ("free", k)) for k, s in enumerate(free_slots)]
+        slot_ids = slot_places(free_slots)
         self._observe(lines, data_v, places_l, global_batch)
         own, incoming, unknown, solo = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
                                                          wl, solo)
@@ -337,9 +339,7 @@ class LearnedRelocator(Relocator):
         if pick < 0:
             return stay
         c = cands[pick]
-        after = list(places_l)
-        for i, j in c["moves"].items():
-            after[i] = slot_ids[incoming[j]["free_slot"]]
+        after = places_after(c, incoming, slot_ids, places_l)
         self._last = {**move_record(c, own, t_cur, after), "x": x[pick], "epochs_left": int(epochs_left)}
         self.relocations += 1
         return candidate_decision(c, incoming, keep, t_cur, float(q[pick]) * t_cur * steps_per_epoch, unknown)

@@ -28,6 +28,7 @@ import numpy as np
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.progress import progress
+from hetero_plugins.scheduler.candidates import places_after
 from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork, candidate_decision
 from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim import ClusterSim, load_scenario, simulate
@@ -150,12 +151,7 @@ def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, expl
                 moved = candidate_decision(c, ctx["incoming"], ctx["lines"], ctx["t_cur"])
                 y.append((stay - run.branch(moved, horizon)) / unit)
         else:
-            placements = []
-            for c in cands:
-                pl = list(places)
-                for i, j in c["moves"].items():
-                    pl[i] = slot_ids[ctx["incoming"][j]["free_slot"]]
-                placements.append(pl)
+            placements = [places_after(c, ctx["incoming"], slot_ids, places) for c in cands]
             y = truth.returns(ctx["epoch"], places, placements, sc.restart_cost, gamma, sc.epochs).tolist()
         xs.extend(x)
         ys.extend(y)

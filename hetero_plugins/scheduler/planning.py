@@ -34,7 +34,9 @@ from hetero_plugins.scheduler.candidates import (
     free_homes,
     move_record,
     placement_step_time,
+    places_after,
     realised_gain,
+    slot_places,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 from hetero_plugins.scheduler.rollout_correction import RolloutCorrection, rollout_features
@@ -242,10 +244,8 @@ class PlanningRelocator(Relocator):
             return stay
         self.relocations += 1
         c = cands[pick]
-        slot_ids = [f.get("place", ("free", k)) for k, f in enumerate(free_slots)]
         self._last = move_record(c, own, t_cur, None if places is None else
-                                 [slot_ids[incoming[c["moves"][i]]["free_slot"]] if i in c["moves"] else p
-                                  for i, p in enumerate(places)])
+                                 places_after(c, incoming, slot_places(free_slots), places))
         return candidate_decision(c, incoming, keep, t_cur, float(score[pick]) * unit, unknown)
 
     def _observe(self, own: Sequence[Mapping[str, float]], global_batch: int, places: Sequence[Any] | None) -> None:
