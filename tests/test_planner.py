@@ -97,6 +97,25 @@ def test_models_are_views_and_a_new_list_is_copied_in():
         p.models = keep[:2]
 
 
+def test_a_deep_copy_learns_on_its_own_and_its_models_follow_it():
+    """A copied planner (rollouts, simulator forks) reads its models from its own bank: what it observes shows in
+    ``models`` and in its checkpoint, and nothing reaches the original."""
+    import copy
+
+    p = BalancePlanner(3, 96)
+    p.end_epoch(0, fake_epoch(p.plan, [1.0, 0.5, 0.25]))
+    before = p.state_dict()
+    q = copy.deepcopy(p)
+    twin = BalancePlanner(3, 96)
+    twin.load_state_dict(before)
+    for planner in (q, twin):
+        planner.end_epoch(1, fake_epoch(planner.plan, [0.25, 0.5, 1.0]))
+    assert [m.params() for m in q.models] == list(q.model_params()) == list(twin.model_params())
+    assert [s["observations"] for s in q.state_dict()["models"]] == [
+        s["observations"] for s in twin.state_dict()["models"]] != [s["observations"] for s in before["models"]]
+    assert p.state_dict()["models"] == before["models"]
+
+
 def data_epochs(planner, data, epochs=4, steps=10, rng=None):
     """Two equally fast ranks; rank r waits ``data[r]`` seconds for each batch. Returns the step times."""
     times = []

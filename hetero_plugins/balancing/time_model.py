@@ -188,6 +188,13 @@ class ModelList(list):  # type: ignore[type-arg]
         super().__init__(LinearTimeModel._view(bank, i) for i in range(bank.size))
         self._bank = bank
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelList:
+        # Views of the copied bank (the same copy as the planner's own, through ``memo``): copying each view
+        # would give every rank a standalone model that the copy's observations never reach.
+        out = ModelList(copy.deepcopy(self._bank, memo))
+        memo[id(self)] = out
+        return out
+
     def __setitem__(self, i: Any, model: Any) -> None:
         if isinstance(i, slice):
             raise TypeError("assign the planner's models one rank at a time, or set `planner.models` to a new list")
