@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetero_plugins.balancing.planner import BalancePlanner
-from hetero_plugins.scheduler.planning import PlanningRelocator, planner_rollout
+from hetero_plugins.scheduler.planning import PlanningRelocator, planner_rollout, rollout_epochs, tail_weight
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, load_scenario, simulate
 from hetero_plugins.scheduler.sim.loop import SimulationRun
@@ -87,6 +87,34 @@ def test_the_planning_relocator_moves_what_pays_and_stays_otherwise():
     for bad in ({"horizon": 0}, {"draws": 0}, {"noise": -0.1}, {"margin": -1.0}, {"slowest": 0}, {"best_slots": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PlanningRelocator(**bad)
+
+
+def test_a_tail_values_a_move_for_the_epochs_left_after_its_rollout():
+    """``tail`` adds the last rollout epoch's saving once per epoch left after the rollout (discounted), so a move
+    that pays back over the run but not within the two epochs played is taken with it and not without."""
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], lines=[(0.005, 0.0005), (0.006, 0.0024)],
+              free_slots=[{"device": "v100"}], global_batch=512, steps_per_epoch=20, epochs_left=10,
+              next_corunners=[None, "video"])
+    p = _planner(kw["lines"], 512)
+    values = {}
+    for tail in (0.0, 0.7, 1.0):
+        r = PlanningRelocator(restart_cost=0.0, noise=0.0, tail=tail)
+        r.recorder = lambda cands, v, ctx, tail=tail: values.setdefault(tail, np.asarray(v))
+        r.propose(planner=p, **kw)
+    extra = {t: values[t] - values[0.0] for t in (0.7, 1.0)}
+    assert np.all(extra[1.0] > 0)  # every candidate saves in the last epoch played
+    np.testing.assert_allclose(extra[0.7] / extra[1.0], tail_weight(0.7, 8) / tail_weight(1.0, 8), rtol=1e-9)
+    # the rollout epoch by epoch sums to the rollout
+    lines = [(m.intercept, m.slope) for m in p.model_params()]
+    assert sum(rollout_epochs(p, lines, [0.0, 0.0], 20, 2, noise=0.0)) == pytest.approx(
+        planner_rollout(p, lines, [0.0, 0.0], 20, 2, noise=0.0), rel=1e-12)
+    # a restart that two epochs do not pay back but ten do
+    cost = float(values[0.0].max() + 0.5 * (values[1.0].max() - values[0.0].max()))
+    assert PlanningRelocator(restart_cost=cost, noise=0.0).propose(planner=p, **kw).moves == []
+    assert PlanningRelocator(restart_cost=cost, noise=0.0, tail=1.0).propose(planner=p, **kw).moves == [(1, 0)]
+    assert tail_weight(1.0, 8) == 8.0 and tail_weight(0.5, 3) == pytest.approx(0.875) and tail_weight(0.0, 5) == 0.0
+    with pytest.raises(ValueError, match="tail"):
+        PlanningRelocator(tail=1.5)
 
 
 def test_the_planning_relocator_in_the_simulator():

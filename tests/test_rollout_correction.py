@@ -113,6 +113,24 @@ def test_realised_returns_and_pretraining(tmp_path):
     assert np.corrcoef(x[:, 0], y)[0, 1] > 0.3
     with pytest.raises(ValueError, match="explore"):
         collect_rollout_returns([spec], explore=1.5)
+    # averaging over forks: the same states; returns that differ by the forks' noise, and not at all without noise
+    one = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3)
+    three = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3, forks=3)
+    assert np.array_equal(one[0], three[0]) and not np.allclose(one[1], three[1], rtol=0, atol=1e-6)
+    quiet = dict(spec, noise=0.0)
+    q1, q3 = (collect_rollout_returns([quiet], seeds=(0,), explore=0.3, horizon=3, forks=f)[1] for f in (1, 3))
+    np.testing.assert_allclose(q3, q1, rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="forks"):
+        collect_rollout_returns([spec], forks=0)
+    # a tail changes the returns of decisions with epochs left after the horizon, and only those
+    tailed = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3, tail=0.7)
+    assert np.array_equal(one[0], tailed[0])
+    beyond = one[0][:, ROLLOUT_FEATURES.index("epochs_left")] * 20.0 > 3.5
+    assert beyond.any() and (~beyond).any()
+    np.testing.assert_array_equal(tailed[1][~beyond], one[1][~beyond])
+    assert not np.allclose(tailed[1][beyond], one[1][beyond], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="tail"):
+        collect_rollout_returns([spec], tail=-0.1)
     two = [dict(spec), dict(BUILTIN_SCENARIOS["elastic"])]
     model, stats = pretrain_critic(out=tmp_path / "c.npz", train_count=2, seeds=(0,), members=2, steps=50,
                                    scenarios=lambda split, n, fam: two)
@@ -132,6 +150,10 @@ def test_the_pretrain_critic_command_checks_its_options(capsys):
 
     assert main(["pretrain-critic", "--train", "0"]) == 2
     assert "`--train` must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["pretrain-critic", "--forks", "0"]) == 2
+    assert "`--forks` must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["pretrain-critic", "--tail", "1.5"]) == 2
+    assert "`--tail` must be in [0, 1], got 1.5" in capsys.readouterr().err
     assert main(["pretrain-critic", "--explore", "2"]) == 2
     assert "`--explore` must be in [0, 1]" in capsys.readouterr().err
 

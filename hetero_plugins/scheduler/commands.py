@@ -311,23 +311,30 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2, help="noise seeds per scenario")
     parser.add_argument("--explore", type=float, default=0.2, help="probability of a random candidate (or stay)")
     parser.add_argument("--horizon", type=int, default=4, help="epochs a realised return runs over")
+    parser.add_argument("--forks", type=int, default=1, help="pairs of forked runs (staying, moving) each "
+                        "return is averaged over: the run's own noise, then independent noise")
+    parser.add_argument("--tail", type=float, default=0.0, help="count the last fork epoch's saving for every "
+                        "epoch left after the horizon, discounted by this per epoch (0: off)")
     parser.add_argument("--members", type=int, default=5, help="networks in the ensemble")
     parser.add_argument("--fit-steps", type=int, default=3000, help="gradient steps per member")
     parser.add_argument("--workers", type=int, default=1, help="processes collecting the returns (same result)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("train", "seeds", "horizon", "members", "fit_steps", "workers"):
+    for name in ("train", "seeds", "horizon", "forks", "members", "fit_steps", "workers"):
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
             print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 2", file=sys.stderr)
             return 2
-    if not 0.0 <= args.explore <= 1.0:
-        print(f"error: `--explore` must be in [0, 1], got {args.explore}. HINT: e.g. --explore 0.2", file=sys.stderr)
-        return 2
+    for name, example in (("explore", "0.2"), ("tail", "0.7")):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            print(f"error: `--{name}` must be in [0, 1], got {getattr(args, name)}. HINT: e.g. --{name} {example}",
+                  file=sys.stderr)
+            return 2
     return _train_and_report(args.out, lambda: pretrain_critic(
         out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
-        explore=args.explore, horizon=args.horizon, members=args.members, steps=args.fit_steps, seed=args.seed,
-        workers=args.workers)[1])
+        explore=args.explore, horizon=args.horizon, forks=args.forks, tail=args.tail,
+        members=args.members, steps=args.fit_steps,
+        seed=args.seed, workers=args.workers)[1])
 
 
 def _train_and_report(out: str, train: Callable[[], dict[str, Any]]) -> int:

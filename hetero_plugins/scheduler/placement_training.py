@@ -307,7 +307,8 @@ def pretrain_placement(
 
 def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Sequence[int] = (0,),
                             explore: float = 0.2, horizon: int = 4, predictor: Any = None,
-                            critic: Any = None, known_future: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                            critic: Any = None, known_future: bool = True,
+                            forks: int = 1, tail: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """The :data:`~hetero_plugins.scheduler.rollout_correction.ROLLOUT_FEATURES` rows and realised returns of
     every candidate the :class:`~hetero_plugins.scheduler.planning.PlanningRelocator` (with ``critic``, and
     a random candidate or stay with probability ``explore``) meets in closed-loop runs of ``scenarios`` under
@@ -318,12 +319,22 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
     the move earned in the run, of which the critic learns the mean over the futures its features allow (how long
     co-runners stay, for one). ``False``: the forks play what is announced at the boundary as lasting (the true
     curves and interference, no later events); a critic trained on those returns chose worse on the validation
-    split (1.011x / 1.018x the greedy rule on its two halves against 1.018x / 1.020x)."""
-    from hetero_plugins.scheduler.planning import PlanningRelocator
+    split (1.011x / 1.018x the greedy rule on its two halves against 1.018x / 1.020x).
+
+    ``forks`` > 1 averages each return over that many pairs of forks (staying and the move under the same noise):
+    the run's own noise, then independent noise seeds, which lowers the variance of the target by what the noise
+    of a few epochs adds to it.
+
+    ``tail`` > 0 adds to each return the saving of the fork's last epoch for every epoch the run has left after
+    the ``horizon``, discounted by ``tail`` per epoch (:func:`~hetero_plugins.scheduler.planning.tail_weight`):
+    a move that pays from its third epoch on in a run with ten left is then valued for those ten, not four."""
+    from hetero_plugins.scheduler.planning import PlanningRelocator, tail_weight
     from hetero_plugins.scheduler.rollout_correction import ROLLOUT_FEATURES, rollout_features
 
     check_int("horizon", horizon, minimum=1, hint="e.g. 4 (epochs a realised return runs over)")
     check_float("explore", explore, minimum=0.0, maximum=1.0, hint="e.g. 0.2")
+    check_int("forks", forks, minimum=1, hint="e.g. 1 (pairs of forks a return is averaged over)")
+    check_float("tail", tail, minimum=0.0, maximum=1.0, hint="e.g. 0.0 (off) or 0.7")
     predictor = default_predictor() if predictor is None else predictor
     xs: list[np.ndarray] = []
     ys: list[float] = []
@@ -337,11 +348,18 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
 
             def recorder(cands: list[dict[str, Any]], value: np.ndarray, ctx: Mapping[str, Any],
                          run: SimulationRun = run) -> None:
-                stay = run.branch(None, horizon, known_future=known_future)
                 unit = ctx["t_cur"] * ctx["steps"]
                 xs.append(rollout_features(cands, value, ctx))
-                ys.extend((stay - run.branch(candidate_decision(c, ctx["incoming"], ctx["keep"], ctx["t_cur"]),
-                                             horizon, known_future=known_future)) / unit for c in cands)
+                saved = np.zeros(len(cands))
+                for k in range(forks):  # fork 0 replays the run's noise; the others draw their own
+                    noise = None if k == 0 else run.sim.seed + 7919 * k
+                    stay = run.branch_epochs(None, horizon, seed=noise, known_future=known_future)
+                    w = tail_weight(tail, int(ctx["epochs_left"]) - len(stay))
+                    for j, c in enumerate(cands):
+                        move = run.branch_epochs(candidate_decision(c, ctx["incoming"], ctx["keep"], ctx["t_cur"]),
+                                                 horizon, seed=noise, known_future=known_future)
+                        saved[j] += sum(stay) - sum(move) + (w * (stay[-1] - move[-1]) if w else 0.0)
+                ys.extend(saved / (forks * unit))
 
             rel.recorder = recorder
             for e in range(run.epochs):
@@ -371,14 +389,14 @@ def _pool(workers: int) -> Iterator[Any]:
 def pretrain_critic(out: str | Path | None = None, family: str = "default", train_count: int = 150,
                     seeds: Sequence[int] = (0, 1), rounds: int = 2, explore: float = 0.2, horizon: int = 4,
                     members: int = 5, hidden: Sequence[int] = (32, 32), steps: int = 3000, seed: int = 0,
-                    known_future: bool = True, resume: bool = True,
+                    known_future: bool = True, forks: int = 1, tail: float = 0.0, resume: bool = True,
                     scenarios: Callable[[str, int, str], list[dict[str, Any]]] | None = None,
                     workers: int = 1) -> tuple[Any, dict[str, Any]]:
     """Train the :class:`~hetero_plugins.scheduler.rollout_correction.RolloutCorrection` of the planning
     relocator on the *train* split of ``family``: the realised returns of every candidate met in closed-loop runs
     of its first ``train_count`` scenarios with churn and free slots (:func:`collect_rollout_returns`, noise
-    ``seeds``, ``explore``, ``horizon``, ``known_future``), an ensemble of ``members`` MLPs (``hidden``, ``steps``)
-    fit to them; saved to ``out`` if given.
+    ``seeds``, ``explore``, ``horizon``, ``known_future``, ``forks``, ``tail``), an ensemble of ``members`` MLPs
+    (``hidden``, ``steps``) fit to them; saved to ``out`` if given.
 
     ``rounds``: the first round's runs are the plain planning relocator's, each later round's are the relocator
     with the critic fit so far, and each refit uses every sample so far (as DAgger does, Ross et al., AISTATS
@@ -412,7 +430,8 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     for r in range(done, int(rounds)):
         bar = progress(total=len(train), desc=f"critic round {r + 1}/{rounds}: realised returns", unit="cluster")
         collect_one = functools.partial(_collect_cluster, seeds=[s + 1000 * r for s in seeds], explore=explore,
-                                        horizon=horizon, critic=model, known_future=known_future)
+                                        horizon=horizon, critic=model, known_future=known_future, forks=forks,
+                                        tail=tail)
         with _pool(workers) as pool:
             for x, y in (pool.map(collect_one, train) if pool is not None else map(collect_one, train)):
                 xs, ys = np.concatenate([xs, x]), np.concatenate([ys, y])
@@ -425,7 +444,9 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
             np.savez_compressed(ckpt, xs=xs, ys=ys, meta=np.array(json.dumps({"rounds": r + 1, "history": history})))
     assert model is not None
     stats = {"family": family, "clusters": len(train), "seeds": list(seeds), "rounds": int(rounds),
-             "explore": explore, "horizon": horizon, "known_future": known_future, "rows": int(len(ys)),
+             "explore": explore, "horizon": horizon, "known_future": known_future, "forks": int(forks),
+             "tail": float(tail),
+             "rows": int(len(ys)),
              "history": history, "seconds": round(time.perf_counter() - t0, 1)}
     model.meta.update(trained=stats)
     if out is not None:

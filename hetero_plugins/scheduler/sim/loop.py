@@ -284,7 +284,12 @@ class SimulationRun:
 
     def branch(self, decision: Any, horizon: int, seed: int | None = None, known_future: bool = True,
                believed: tuple[Sequence[float], Sequence[float]] | None = None) -> float:
-        """Seconds the next ``horizon`` epochs take (restart cost included) if ``decision`` (a
+        """The seconds of :meth:`branch_epochs` summed."""
+        return float(sum(self.branch_epochs(decision, horizon, seed, known_future, believed)))
+
+    def branch_epochs(self, decision: Any, horizon: int, seed: int | None = None, known_future: bool = True,
+                      believed: tuple[Sequence[float], Sequence[float]] | None = None) -> list[float]:
+        """Seconds each of the next ``horizon`` epochs takes (restart cost included) if ``decision`` (a
         :class:`~hetero_plugins.scheduler.relocation.Relocation`, ``None``: stay) is applied at the boundary being
         decided and nobody moves after: a forked copy of the run, this run untouched. Only while a relocator
         decides (placement pre-training reads realised returns from it).
@@ -332,7 +337,7 @@ class SimulationRun:
         done = len(fork.epoch_times)
         for k in range(e + 1, min(e + 1 + int(horizon), fork.epochs)):
             fork.epoch(k)
-        return float(sum(fork.epoch_times[done:]))
+        return [float(t) for t in fork.epoch_times[done:]]
 
     def result(self) -> dict[str, Any]:
         sc, epoch_times = self.sc, self.epoch_times
