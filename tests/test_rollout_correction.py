@@ -132,13 +132,13 @@ def test_realised_returns_and_pretraining(tmp_path):
     with pytest.raises(ValueError, match="tail"):
         collect_rollout_returns([spec], tail=-0.1)
     two = [dict(spec), dict(BUILTIN_SCENARIOS["elastic"])]
-    model, stats = pretrain_critic(out=tmp_path / "c.npz", train_count=2, seeds=(0,), members=2, steps=50,
+    model, stats = pretrain_critic(out=tmp_path / "c.npz", train_count=2, seeds=(0,), members=2, steps=50, forks=1,
                                    scenarios=lambda split, n, fam: two)
     assert stats["clusters"] == 2 and stats["rows"] > 0 and math.isfinite(stats["seconds"])
     r = PlanningRelocator(critic=str(tmp_path / "c.npz"))
     assert len(r.critic.members) == 2
     # two worker processes collect the same samples in the same order, so the same model
-    again, stats2 = pretrain_critic(train_count=2, seeds=(0,), members=2, steps=50, workers=2,
+    again, stats2 = pretrain_critic(train_count=2, seeds=(0,), members=2, steps=50, workers=2, forks=1,
                                     scenarios=lambda split, n, fam: two)
     assert stats2["rows"] == stats["rows"] and np.array_equal(again(x), model(x))
     with pytest.raises(ValueError, match="workers"):

@@ -311,8 +311,9 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2, help="noise seeds per scenario")
     parser.add_argument("--explore", type=float, default=0.2, help="probability of a random candidate (or stay)")
     parser.add_argument("--horizon", type=int, default=4, help="epochs a realised return runs over")
-    parser.add_argument("--forks", type=int, default=1, help="pairs of forked runs (staying, moving) each "
-                        "return is averaged over: the run's own noise, then independent noise")
+    parser.add_argument("--forks", type=int, default=3, help="pairs of forked runs (staying, moving) each "
+                        "return is averaged over: the run's own noise, then independent noise (the shipped "
+                        "critic: 3)")
     parser.add_argument("--tail", type=float, default=0.0, help="count the last fork epoch's saving for every "
                         "epoch left after the horizon, discounted by this per epoch (0: off)")
     parser.add_argument("--members", type=int, default=5, help="networks in the ensemble")
