@@ -147,7 +147,14 @@ def test_elastic_relocation_moves_the_slow_worker_to_the_idle_host(horovodrun, t
         idx = [i for d in steps if d["epoch"] == epoch for i in d["indices"]]
         counts = collections.Counter(idx)
         assert not [i for i, c in counts.items() if c > 1] and set(idx) == set(range(384)), f"epoch {epoch}"
-    assert any(d["host"] == free for d in steps) and not any(d["host"] == slow and d["epoch"] >= 2 for d in steps)
+    # Decided at the first epoch boundary; Horovod then replaces the slow worker when its discovery thread next
+    # polls the hosts file, so how many more steps the slow worker runs depends on the machine's load: the worker
+    # on the free host takes over after the slow one's last step, never beside it.
+    assert spec["epoch"] == 1, spec  # the epoch the new placement is for
+    on_slow = [d["t"] for d in steps if d["host"] == slow]
+    on_free = [d["t"] for d in steps if d["host"] == free]
+    assert on_slow and on_free and max(on_slow) < min(on_free)
+    assert max(d["epoch"] for d in steps if d["host"] == free) == 3
     assert sorted(d["host"] for d in done) == sorted([fast0, free])
     # Before the move the slow worker got less work; on the new host it is balanced from the first step after.
     assert any(d["host"] == slow and d["plan"][d["rank"]] <= 12 for d in steps)

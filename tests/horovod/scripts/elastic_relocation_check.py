@@ -65,7 +65,8 @@ def main(out_dir: str, names: str) -> None:
                 loss.backward()
                 opt.step()
                 log.write(json.dumps({"epoch": state.epoch, "step": sampler.steps_done, "rank": hvd.rank(),
-                                      "host": host, "plan": sampler.plan, "indices": ib.tolist()}) + "\n")
+                                      "host": host, "plan": sampler.plan, "indices": ib.tolist(),
+                                      "t": time.time()}) + "\n")
                 state.commit()
             state.epoch += 1
             state.commit()
