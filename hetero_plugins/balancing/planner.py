@@ -70,6 +70,16 @@ class BalancePlanner:
             sample), square-rooted for a rank whose moves reverse; ``None``: no limit. The allocator's plan is
             kept where it stays within the factor; ranks beyond it are clipped and the samples this frees or
             takes are placed where the fitted lines predict the shortest step.
+        extrapolation_tolerance: a re-plan takes a rank beyond the largest batch size its time model has measured
+            (in its current regime) only as far as its fitted line and the proportional model through that size
+            (no fixed cost beyond it) disagree by at most this fraction
+            (:meth:`~hetero_plugins.balancing.time_bank.TimeModelBank.extrapolation_limits`): a saturation
+            plateau fits a nearly flat line that prices any batch as almost free, and a rank led far past what
+            it has run at can fall off a memory cliff. Each epoch measures the new sizes, so the limit moves out
+            (a flat line: by ``1 + tolerance`` per re-plan). Ranks beyond the limit are clipped and the samples
+            placed as for ``max_change_factor``. ``None`` (default): no limit; on the scenario family's validation
+            split 1.0 raised the analytic allocators' mean throughput by 0.2-0.4% and lowered the worst clusters
+            (see docs/scheduler.md, "Known gaps").
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
         count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
@@ -102,6 +112,7 @@ class BalancePlanner:
         max_change_factor: float | None = 8.0,
         noise_margin: float = 1.0,
         count_data_time: bool = True,
+        extrapolation_tolerance: float | None = None,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -118,6 +129,11 @@ class BalancePlanner:
             check_float("max_change_factor", max_change_factor, minimum=1.0, strict_minimum=True,
                         hint="e.g. 4.0 (a batch at most quadruples or quarters per re-plan), or None for no limit")
         self.max_change_factor = max_change_factor
+        if extrapolation_tolerance is not None:
+            check_float("extrapolation_tolerance", extrapolation_tolerance, minimum=0.0,
+                        hint="e.g. 1.0 (a flat line at most doubles a rank's batch beyond what it has run at), or "
+                             "None for no limit")
+        self.extrapolation_tolerance = extrapolation_tolerance
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0,
                                         hint="e.g. 1.0 (one standard error), or 0 to compare point predictions")
         self.count_data_time = bool(count_data_time)
@@ -383,6 +399,24 @@ class BalancePlanner:
         return entry
 
     def _trust_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
+        """``bounds`` narrowed to within ``max_change_factor`` (per rank, damped) of the current plan and to
+        ``extrapolation_tolerance`` beyond the sizes each rank has measured."""
+        return self._extrapolation_bounds(self._change_bounds(bounds, current), current)
+
+    def _extrapolation_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
+        """``bounds`` with each rank's upper end lowered to its extrapolation limit (never below its current
+        batch or its lower end; unchanged where that would leave the global batch no room)."""
+        if self.extrapolation_tolerance is None:
+            return bounds
+        limit = self._bank.extrapolation_limits(self.extrapolation_tolerance)
+        lo, hi = np.asarray(bounds.min_batch, dtype=np.float64), np.asarray(bounds.max_batch, dtype=np.float64)
+        cur = np.asarray(current, dtype=np.float64)
+        top = np.maximum(lo, np.minimum(hi, np.maximum(limit, cur)))
+        if np.array_equal(top, hi) or top.sum() < self.global_batch:
+            return bounds
+        return Bounds(bounds.min_batch, tuple(int(x) for x in top))
+
+    def _change_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
         """``bounds`` narrowed to within ``max_change_factor`` (per rank, damped) of the current plan."""
         if self.max_change_factor is None:
             return bounds
@@ -397,7 +431,8 @@ class BalancePlanner:
 
     def _damp(self, proposal: list[int], trust: Bounds) -> list[int]:
         """``proposal`` with every rank's batch clipped into ``trust``, the samples this adds or removes moved
-        where the fitted lines say the step is shortest (equal split of them without lines)."""
+        where the fitted lines say the step is shortest (the lines as the allocator corrected them, where it has
+        a ``lines(models, world_size)`` method; equal split of them without lines)."""
         p = np.asarray(proposal, dtype=np.float64)
         lo, hi = np.asarray(trust.min_batch, dtype=np.float64), np.asarray(trust.max_batch, dtype=np.float64)
         if np.all((p >= lo) & (p <= hi)):
@@ -407,7 +442,13 @@ class BalancePlanner:
         lines = self.decision_lines()
         if lines.known.all() and np.all(lines.slope > 0) and np.all(np.isfinite(lines.intercept)):
             low, high = (q, hi) if missing >= 0 else (lo, q)
-            return min_makespan_split(lines.intercept, lines.slope, self.global_batch, low, high).tolist()
+            a, s = lines.intercept, lines.slope
+            corrected = getattr(self.allocator, "lines", None)  # an allocator's own corrections (co-runner changes)
+            if callable(corrected):
+                fixed, per_sample = (np.asarray(x, dtype=np.float64) for x in corrected(lines, self.world_size))
+                if fixed.shape == a.shape and np.all(per_sample > 0) and np.all(np.isfinite(fixed)):
+                    a, s = fixed, per_sample
+            return min_makespan_split(a, s, self.global_batch, low, high).tolist()
         return largest_remainder((q + missing * q / q.sum()).tolist(), self.global_batch, trust)
 
     def _record_move(self, old: Sequence[int], new: Sequence[int]) -> None:

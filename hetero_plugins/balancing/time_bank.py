@@ -131,6 +131,36 @@ class TimeModelBank:
             se = np.sqrt(self._var) / np.sqrt(np.maximum(w, 1.0))
         return np.where(known & np.isfinite(se), se, 0.0)
 
+    def extrapolation_limits(self, tolerance: float) -> np.ndarray:
+        """Per rank, the largest batch size at which its fitted line and the proportional model through the level
+        of the largest size it has measured (no fixed cost beyond it) disagree by at most ``tolerance`` (0.5:
+        the proportional model predicts at most 1.5x the line's time); ``inf`` where that holds at every size or
+        there is no line.
+
+        Beyond the sizes it was measured at, a line's fixed cost is an economy of scale nobody has seen: a
+        saturation plateau at small batches fits a nearly flat line, which prices any batch as almost free. With
+        ``phi`` the fixed share of the step at the largest measured size ``b``, the two models disagree by
+        ``g / (1 + (1 - phi) (g - 1))`` at ``g * b``, so the limit is ``b (1 + tol) phi / ((1 + tol) phi - tol)``
+        where ``(1 + tol) phi > tol`` (a flat line: ``(1 + tol) b``).
+
+        Example::
+
+            >>> bank = TimeModelBank(1)
+            >>> bank.observe(np.array([[16.0, 32.0] * 8]), np.array([[0.1, 0.1008] * 8]))  # flat: a plateau
+            >>> int(bank.extrapolation_limits(0.5)[0])
+            48
+        """
+        tol = check_float("tolerance", tolerance, minimum=0.0, hint="e.g. 1.0, or no limit")
+        lines = self.lines()
+        big = np.where(self._gw > 0, self._gb, 0.0).max(axis=1) if self.size else np.zeros(0)
+        ok = np.asarray(lines.known) & (big > 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            kappa = np.where(ok, lines.intercept / lines.slope, 0.0)
+            phi = np.where(ok & np.isfinite(kappa), kappa / (kappa + big), 0.0)
+            room = (1.0 + tol) * phi - tol
+            factor = np.where(room > 0, (1.0 + tol) * phi / np.where(room > 0, room, 1.0), np.inf)
+        return np.where(ok & np.isfinite(factor), np.floor(big * factor + 1e-9), np.inf)
+
     def _band(self, rows: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The interval of predicted seconds at batch ``b`` for ``rows`` (``nan`` without a model)."""
         g = np.argmax(self._gw[rows], axis=1)

@@ -49,13 +49,15 @@ def default_relocation(alloc: Any, sc: Any, relocation: Any) -> Any:
 
 
 def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed: int | None = None,
-            analytic: tuple[str, ...] = ANALYTIC, relocation: Any = None) -> dict[str, Any]:
+            analytic: tuple[str, ...] = ANALYTIC, relocation: Any = None,
+            replan_every: int | None = None) -> dict[str, Any]:
     """One run of ``policy`` on ``scenario`` beside the oracle, the equal split and the best analytic allocator.
 
     ``relocation`` (``True``: :func:`default_relocation`, or a
     :class:`~hetero_plugins.scheduler.relocation.Relocator`) lets the policy's run move ranks to free slots
     (see :func:`~hetero_plugins.scheduler.sim.simulate`); the analytic runs never
-    relocate (they have no model of a slot they have not run on).
+    relocate (they have no model of a slot they have not run on). ``replan_every``: mid-epoch re-plans every this
+    many steps in every run but the oracle's (see :func:`~hetero_plugins.scheduler.sim.simulate`).
 
     Throughputs are samples per second of simulated training over all epochs (``samples_per_s``) and after the
     first, measuring epoch (``steady_samples_per_s``: the oracle knows the true times from the start, every
@@ -68,11 +70,11 @@ def compare(scenario: Any, policy: Any = "auto", epochs: int | None = None, seed
         analytic = ("static", *analytic)
     bar = progress(total=len(analytic) + 2, desc=f"simulate {sc.name}", unit="run")
     runs = {"policy": simulate(sc, alloc, epochs=epochs, seed=seed,
-                               relocation=default_relocation(alloc, sc, relocation))}
+                               relocation=default_relocation(alloc, sc, relocation), replan_every=replan_every)}
     bar.update()
     for name in analytic:
         runs[name] = (runs["policy"] if name == policy and not relocation
-                      else simulate(sc, name, epochs=epochs, seed=seed))
+                      else simulate(sc, name, epochs=epochs, seed=seed, replan_every=replan_every))
         bar.update()
     orc = oracle(sc, epochs=epochs, seed=seed)
     bar.update()
@@ -120,6 +122,9 @@ def _simulate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the scenario's)")
     parser.add_argument("--relocate", action="store_true",
                         help="let the policy move ranks to free slots (stage 2: NCF-predicted lines, restart_cost per move)")
+    parser.add_argument("--replan-every", type=int, default=None, metavar="STEPS",
+                        help="re-plan within each epoch every STEPS steps, as the Lightning integrations do with "
+                             "their replan_every option (default: at epoch ends only)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -140,6 +145,10 @@ def simulate_main(argv: list[str] | None = None) -> int:
     if args.epochs is not None and args.epochs < 1:
         print(f"error: `--epochs` must be >= 1, got {args.epochs}. HINT: e.g. --epochs 10", file=sys.stderr)
         return 2
+    if args.replan_every is not None and args.replan_every < 1:
+        print(f"error: `--replan-every` must be >= 1, got {args.replan_every}. HINT: e.g. --replan-every 5, or "
+              "leave it out to plan at epoch ends only", file=sys.stderr)
+        return 2
     if args.allocators is not None:
         return _simulate_allocators(sc, args)
     try:
@@ -148,7 +157,8 @@ def simulate_main(argv: list[str] | None = None) -> int:
         print(f"error: `--policy` {args.policy!r} is not an allocator. HINT: use one of {sorted(ALLOCATORS)}.",
               file=sys.stderr)
         return 2
-    out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None)
+    out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None,
+                  replan_every=args.replan_every)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -182,7 +192,7 @@ def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
     for a in progress(_allocators(args.allocators), desc=f"simulate {sc.name}", unit="allocator"):
         alloc = get_allocator(a)
         r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed,
-                     relocation=default_relocation(alloc, sc, args.relocate or None))
+                     relocation=default_relocation(alloc, sc, args.relocate or None), replan_every=args.replan_every)
         if hasattr(alloc, "last_choice"):
             r["last_choice"] = alloc.last_choice
         results[a] = r

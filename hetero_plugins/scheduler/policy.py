@@ -315,6 +315,11 @@ class AutoAllocator(Allocator):
     def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
         return self.dqn.predict_makespan(models, plan)
 
+    def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Intercepts and slopes of ``models`` as the last decision used them (its corrections applied); the
+        planner places the samples it moves when it clips a plan on these."""
+        return self.dqn.lines(models, world_size)
+
     # ---------------------------------------------------------------- what the run measured
     def noise(self) -> float | None:
         """Robust spread (1.4826 x median absolute log residual) of the fitted lines' predictions of the

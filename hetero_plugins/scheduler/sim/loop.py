@@ -34,6 +34,7 @@ def simulate(
     min_gain: float = 0.03,
     telemetry: bool = True,
     relocation: Any = None,
+    replan_every: int | None = None,
 ) -> dict[str, Any]:
     """Run the balancing loop (:class:`~hetero_plugins.balancing.planner.BalancePlanner`) against the simulated cluster.
 
@@ -59,6 +60,11 @@ def simulate(
     (``min_gain``) uses the allocator's ``predict_makespan`` where it has one (see
     :meth:`~hetero_plugins.balancing.planner.BalancePlanner.predict_step_time`).
 
+    ``replan_every`` (``None``: plans at epoch ends only): within an epoch, every this many steps the planner
+    learns from the steps since its last decision and may change the plan for the rest of the epoch, as the
+    Lightning integrations do with their ``replan_every`` option (default 5 there); the allocator gets no
+    context at those calls, as there. ``plans`` holds each epoch's starting plan.
+
     Returns:
         dict with ``epoch_times`` (seconds), ``total_time``, ``samples_per_s``, ``steady_samples_per_s``
         (epochs after the first), ``plans``, ``straggler_level`` per epoch, ``busy_fraction`` per epoch (seconds of
@@ -67,7 +73,8 @@ def simulate(
         ``relocations`` (per relocation: epoch and moves), ``placements`` (each rank's place per epoch) and
         ``decision_ms`` (mean wall time of one planning call).
     """
-    run = SimulationRun(ClusterSim(scenario, seed=seed), allocator, epochs, min_gain, telemetry, relocation)
+    run = SimulationRun(ClusterSim(scenario, seed=seed), allocator, epochs, min_gain, telemetry, relocation,
+                        replan_every=replan_every)
     for e in range(run.epochs):
         run.epoch(e)
     return run.result()
@@ -82,7 +89,10 @@ class SimulationRun:
     """
 
     def __init__(self, sim: ClusterSim, allocator: str | Allocator, epochs: int | None, min_gain: float,
-                 telemetry: bool, relocation: Any) -> None:
+                 telemetry: bool, relocation: Any, replan_every: int | None = None) -> None:
+        if replan_every is not None:
+            check_int("replan_every", replan_every, minimum=1, hint="use None to plan at epoch ends only")
+        self.replan_every = replan_every
         self.sim = sim
         self.sc = sc = sim.scenario
         self.epochs = sc.epochs if epochs is None else int(epochs)
@@ -110,6 +120,7 @@ class SimulationRun:
         self.moves_log: list[dict[str, Any]] = []
         self.restarts = 0
         self.pending_cost = 0.0
+        self.observed_steps = 0  # leading steps of the epoch being run that mid-epoch re-plans have fed the planner
         self.boundary: tuple[Any, ...] | None = None  # the relocate() arguments while a relocator decides
 
     def set_context(self, **context: Any) -> None:
@@ -124,6 +135,7 @@ class SimulationRun:
         if self.members is None or not np.array_equal(act, self.members):
             self.planner, self.members = self.restart(e, act), act
         here = np.array([self.where[int(r)] for r in act], dtype=np.int64)
+        start_plan = list(self.planner.plan)
         total, records, d_p = self.run_steps(e, act, here)
         co_now, co_next = self.sim.place_corunners(e), self.sim.place_corunners(e + 1)
         self.measured_co = {int(r): co_now[p] for r, p in zip(act, here)}
@@ -134,7 +146,8 @@ class SimulationRun:
                          corunners=[co_now[p] for p in here], next_corunners=[co_next[p] for p in here])
         assert self.planner is not None
         t0 = time.perf_counter()
-        self.planner.end_epoch(e, records, epoch_time=total, memory_caps=[self.pcaps[p] for p in here])
+        self.planner.end_epoch(e, records, epoch_time=total, memory_caps=[self.pcaps[p] for p in here],
+                               observed_steps=self.observed_steps, start_plan=start_plan)
         self.decide.append(time.perf_counter() - t0)
         if self.relocator is not None and e + 1 < self.epochs and np.array_equal(self.sim.active(e + 1), act) \
                 and all(p is not None for p in self.planner.model_params()):
@@ -155,10 +168,16 @@ class SimulationRun:
         planv = np.asarray(plan, dtype=np.float64)
         busy = 0.0
         work = sim.work(planv, here)
+        self.observed_steps = 0
         for s in range(sc.steps_per_epoch):
+            if self.replan_every and s and s % self.replan_every == 0:  # a mid-epoch re-plan
+                self.planner.replan(records[:, self.observed_steps:s])
+                self.observed_steps = s
+                planv = np.asarray(self.planner.plan, dtype=np.float64)
+                work = sim.work(planv, here)
             compute = (a_p[here] + b_p[here] * work) * sim.place_noise(e, s)[here]
             data = d_p[here]
-            records[:, s, 0] = plan
+            records[:, s, 0] = planv
             records[:, s, 1] = compute
             records[:, s, 2] = data
             total += float(np.max(compute + data)) + comm
