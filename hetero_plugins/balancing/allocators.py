@@ -353,7 +353,13 @@ def fitted_models(models: Sequence[TimeModelParams | None]) -> list[TimeModelPar
 
 
 class Allocator(ABC):
-    """Splits ``global_batch`` into per-rank local batches from per-rank time models."""
+    """Splits ``global_batch`` into per-rank local batches from per-rank time models.
+
+    Two optional methods let an allocator that corrects the fitted lines (the learned ones, for announced
+    co-runner changes) keep the planner on its corrections: ``predict_makespan(models, plan)`` (the planner's
+    damping gate asks it instead of the fitted lines) and ``lines(models, world_size) -> (intercepts, slopes)``
+    (the lines of its last decision, on which the planner places the samples it moves when it clips a plan).
+    """
 
     name: str = "allocator"
 
