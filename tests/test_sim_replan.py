@@ -70,3 +70,19 @@ def test_the_simulate_command_takes_replan_every() -> None:
     assert res["ratios_steady"]["policy_vs_oracle"] <= 1.0 + 1e-9
     bad = subprocess.run(cmd[:-3] + ["--replan-every", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--replan-every" in bad.stderr and "HINT" in bad.stderr
+
+
+def test_auto_applies_an_announced_co_runner_after_mid_epoch_re_plans() -> None:
+    # Validation cluster default-297: a co-runner announced for epoch 1. Mid-epoch re-plans in epoch 0 must not
+    # become the reference auto scores its lines against (a single-size line then looked like noise and auto
+    # fell back to equal_finish for that boundary).
+    from hetero_plugins.scheduler.measured import load_measured_predictor
+    from hetero_plugins.scheduler.policy import AutoAllocator
+    from hetero_plugins.scheduler.sim.family import generate_scenario
+
+    spec = generate_scenario(297)
+    auto = simulate(spec, AutoAllocator(interference=load_measured_predictor()), seed=0, replan_every=5)
+    plain = simulate(spec, "equal_finish", seed=0, replan_every=5)
+    assert auto["epoch_times"][0] == pytest.approx(plain["epoch_times"][0], rel=1e-12)
+    assert auto["epoch_times"][1] < 0.8 * plain["epoch_times"][1]
+    assert auto["steady_samples_per_s"] > plain["steady_samples_per_s"]

@@ -494,7 +494,7 @@ class AutoAllocator(Allocator):
         if after_move is not None and self._prev is not None and self._prev["n"] == n:
             # The re-plan after a relocation: the boundary's co-runner changes stay; movers are scored separately.
             self._prev.update(a=a.copy(), s=s.copy(), plan=list(plan), moved=set(after_move))
-        elif ctx is not None or self._prev is None or self._prev["n"] != n:
+        elif ctx is not None:  # a call without context (a mid-epoch re-plan) does not score the lines after it
             self._prev = {"n": n, "a": a.copy(), "s": s.copy(), "plan": list(plan), "ctx": ctx, "ncf": ncf,
                           "moved": set()}
         self.last_choice = "ncf" if use is not None else "equal_finish"
