@@ -120,7 +120,6 @@ class SimulationRun:
         self.moves_log: list[dict[str, Any]] = []
         self.restarts = 0
         self.pending_cost = 0.0
-        self.observed_steps = 0  # leading steps of the epoch being run that mid-epoch re-plans have fed the planner
         self.boundary: tuple[Any, ...] | None = None  # the relocate() arguments while a relocator decides
 
     def set_context(self, **context: Any) -> None:
@@ -135,8 +134,7 @@ class SimulationRun:
         if self.members is None or not np.array_equal(act, self.members):
             self.planner, self.members = self.restart(e, act), act
         here = np.array([self.where[int(r)] for r in act], dtype=np.int64)
-        start_plan = list(self.planner.plan)
-        total, records, d_p = self.run_steps(e, act, here)
+        total, records, d_p, observed = self.run_steps(e, act, here)
         co_now, co_next = self.sim.place_corunners(e), self.sim.place_corunners(e + 1)
         self.measured_co = {int(r): co_now[p] for r, p in zip(act, here)}
         self.measured_data = {int(r): float(d) for r, d in zip(act, records[:, :, 2].mean(axis=1))}
@@ -147,14 +145,15 @@ class SimulationRun:
         assert self.planner is not None
         t0 = time.perf_counter()
         self.planner.end_epoch(e, records, epoch_time=total, memory_caps=[self.pcaps[p] for p in here],
-                               observed_steps=self.observed_steps, start_plan=start_plan)
+                               observed_steps=observed, start_plan=self.plans[-1])
         self.decide.append(time.perf_counter() - t0)
         if self.relocator is not None and e + 1 < self.epochs and np.array_equal(self.sim.active(e + 1), act) \
                 and all(p is not None for p in self.planner.model_params()):
             self.relocate(e, act, here, records, d_p, co_now, co_next)
 
-    def run_steps(self, e: int, act: np.ndarray, here: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        """The epoch's steps under the current plan: its seconds, the step records and the places' data times."""
+    def run_steps(self, e: int, act: np.ndarray, here: np.ndarray) -> tuple[float, np.ndarray, np.ndarray, int]:
+        """The epoch's steps under the current plan: its seconds, the step records, the places' data times and
+        the leading steps mid-epoch re-plans have already fed the planner."""
         sim, sc = self.sim, self.sc
         assert self.planner is not None
         comm = sim.allreduce_time(len(act))
@@ -168,11 +167,11 @@ class SimulationRun:
         planv = np.asarray(plan, dtype=np.float64)
         busy = 0.0
         work = sim.work(planv, here)
-        self.observed_steps = 0
+        observed = 0
         for s in range(sc.steps_per_epoch):
             if self.replan_every and s and s % self.replan_every == 0:  # a mid-epoch re-plan
-                self.planner.replan(records[:, self.observed_steps:s])
-                self.observed_steps = s
+                self.planner.replan(records[:, observed:s])
+                observed = s
                 planv = np.asarray(self.planner.plan, dtype=np.float64)
                 work = sim.work(planv, here)
             compute = (a_p[here] + b_p[here] * work) * sim.place_noise(e, s)[here]
@@ -185,7 +184,7 @@ class SimulationRun:
         self.epoch_times.append(total)
         self.busy.append(busy / (len(act) * total) if total > 0 else 0.0)
         self.levels.append(straggler_level(records[:, :, 1].mean(axis=1) + records[:, :, 2].mean(axis=1)))
-        return total, records, d_p
+        return total, records, d_p, observed
 
     # ---------------------------------------------------------------- membership changes
     def restart(self, e: int, act: np.ndarray) -> BalancePlanner:
