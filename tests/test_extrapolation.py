@@ -78,7 +78,7 @@ def test_a_plateau_rank_grows_by_the_limit_not_by_the_change_factor() -> None:
     speed = [plateau, slow]
     out = {}
     for tol in (None, 1.0):
-        p = BalancePlanner(2, 256, extrapolation_tolerance=tol, initial_plan=[32, 224])
+        p = BalancePlanner(2, 256, extrapolation_tolerance=tol, initial_plan=[32, 224], extrapolate="line")
         p.end_epoch(0, _records([32, 224], speed))
         p.plan = [48, 208]
         p.end_epoch(1, _records([48, 208], speed))
@@ -97,7 +97,7 @@ def test_the_planner_converges_as_the_limit_moves_out() -> None:
     speed = [lambda b: 0.05 + 0.0001 * b, lambda b: 0.002 + 0.002 * b]
     plans = {}
     for tol in (None, 1.0):
-        p = BalancePlanner(2, 512, extrapolation_tolerance=tol)
+        p = BalancePlanner(2, 512, extrapolation_tolerance=tol, extrapolate="line")
         p.end_epoch(0, _records(p.plan, speed))
         p.plan = [200, 312]
         for e in range(1, 12):
@@ -125,7 +125,7 @@ def test_a_clipped_plan_places_its_samples_on_the_allocators_corrected_lines() -
 
     speed = [lambda b: 0.002 + 0.001 * b] * 4
     for allocator, scale in ((Corrected(), [1.0, 1.0, 3.0, 1.0]), ("equal_finish", [1.0] * 4)):
-        p = BalancePlanner(4, 256, allocator=allocator, extrapolation_tolerance=None)
+        p = BalancePlanner(4, 256, allocator=allocator, extrapolation_tolerance=None, extrapolate="line")
         p.end_epoch(0, _records(p.plan, speed))
         p.plan = [48, 48, 80, 80]
         p.end_epoch(1, _records(p.plan, speed))

@@ -1,5 +1,6 @@
 """The fitted step-time lines t(b) = a + s b: one rank's (:class:`TimeModelParams`) and every rank's at once
-(:class:`TimeModelLines`, what the planner hands the allocators)."""
+(:class:`TimeModelLines`, what the planner hands the allocators), optionally steeper beyond a knee
+(:func:`curve_times`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,32 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["TimeModelLines", "TimeModelParams"]
+__all__ = ["TimeModelLines", "TimeModelParams", "curve_times"]
+
+
+def curve_times(intercept: Any, slope: Any, batch: Any, knee: Any = None, beyond: Any = None) -> np.ndarray:
+    """Per-rank predicted seconds at ``batch``: ``a + s b`` up to ``knee``, and past it the line's time at the
+    knee plus ``beyond`` seconds per further sample (``knee`` ``inf`` or ``None``: the line throughout).
+
+    Written as a second line ``(a + s k - c k) + c b`` so that the exact split
+    (:func:`~hetero_plugins.balancing.allocators.min_makespan_split`) evaluates the very same expression.
+
+    Example::
+
+        >>> curve_times([0.1], [0.001], [300], knee=[100], beyond=[0.002]).round(6).tolist()
+        [0.6]
+    """
+    a = np.asarray(intercept, dtype=np.float64)
+    s = np.asarray(slope, dtype=np.float64)
+    b = np.asarray(batch, dtype=np.float64)
+    t = a + s * b
+    if knee is None or beyond is None:
+        return t
+    k = np.asarray(knee, dtype=np.float64)
+    c = np.asarray(beyond, dtype=np.float64)
+    finite = np.isfinite(k)
+    kf = np.where(finite, k, 0.0)
+    return np.where(finite & (b > kf), (a + s * kf - c * kf) + c * b, t)
 
 
 @dataclass(frozen=True)
@@ -30,14 +56,32 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
     Attributes:
         intercept, slope: per-rank line (``nan`` where unknown).
         known: per-rank flag, ``True`` where the rank has a line.
+        knee, beyond: ``None``, or per rank the batch size past which the time grows by ``beyond`` seconds per
+            sample instead of ``slope`` (``inf``: never; see :func:`curve_times`). The planner sets them with
+            ``extrapolate="proportional"``: beyond the largest batch a rank has measured, no economy of scale.
     """
 
-    __slots__ = ("intercept", "slope", "known")
+    __slots__ = ("intercept", "slope", "known", "knee", "beyond")
 
-    def __init__(self, intercept: np.ndarray, slope: np.ndarray, known: np.ndarray) -> None:
+    def __init__(self, intercept: np.ndarray, slope: np.ndarray, known: np.ndarray, knee: np.ndarray | None = None,
+                 beyond: np.ndarray | None = None) -> None:
         self.intercept = np.asarray(intercept, dtype=np.float64)
         self.slope = np.asarray(slope, dtype=np.float64)
         self.known = np.asarray(known, dtype=bool)
+        if (knee is None) != (beyond is None):
+            raise ValueError("`knee` and `beyond` go together. HINT: pass both (one entry per rank) or neither.")
+        self.knee = None if knee is None else np.asarray(knee, dtype=np.float64)
+        self.beyond = None if beyond is None else np.asarray(beyond, dtype=np.float64)
+
+    def times(self, batch: Any) -> np.ndarray:
+        """Each rank's predicted seconds at its entry of ``batch`` (the knee applied; ``nan`` where unknown)."""
+        return curve_times(self.intercept, self.slope, batch, self.knee, self.beyond)
+
+    def scaled(self, factor: Any) -> TimeModelLines:
+        """These lines with every rank's times multiplied by ``factor`` (per rank, or one number)."""
+        f = np.broadcast_to(np.asarray(factor, dtype=np.float64), self.intercept.shape)
+        return TimeModelLines(self.intercept * f, self.slope * f, self.known, self.knee,
+                              None if self.beyond is None else self.beyond * f)
 
     def __len__(self) -> int:
         return len(self.known)

@@ -104,6 +104,11 @@ class BalancingOptions:
         count_data_time: count each rank's measured wait for its next batch (data loading) in its predicted step
             time, so that a rank whose input pipeline stalls it gets fewer samples; ``False`` splits on compute
             time alone.
+        extrapolate: how a rank's step time is priced beyond the largest batch it has measured:
+            ``"proportional"`` (default) in proportion to the batch from its time there, so that a saturation
+            plateau's flat line does not hand one rank a batch it has never run at almost for free;
+            ``"line"`` by the fitted line (see :class:`~hetero_plugins.balancing.planner.BalancePlanner`).
+            Used by ``"auto"``, ``"equal_finish"`` and ``"dqn"``.
         locality: keep each rank's shard of the data across epochs and plan changes (LOFT); by default every
             step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: give validation/test/predict loaders per-rank batch sizes too (Lightning strategies).
@@ -159,6 +164,7 @@ class BalancingOptions:
     half_life: float = 6.0
     warmup_steps: int = 1
     count_data_time: bool = True
+    extrapolate: str = "proportional"
     locality: bool = False
     balance_eval: bool = True
     replan_every: int | None = 5
@@ -179,6 +185,7 @@ class BalancingOptions:
             global_batch=max(self.min_batch_size, 1) if isinstance(self.min_batch_size, int) else 1,
             allocator=self.allocator, min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
             min_gain=self.min_gain, half_life=self.half_life, warmup_steps=self.warmup_steps,
+            extrapolate=self.extrapolate,
         )
         self._set("min_gain", float(self.min_gain))
         self._set("half_life", float(self.half_life))
@@ -275,5 +282,5 @@ class BalancingOptions:
             allocator=self.allocator if allocator is None else allocator,
             min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size, min_gain=self.min_gain,
             half_life=self.half_life, warmup_steps=self.warmup_steps, initial_plan=plan,
-            count_data_time=self.count_data_time,
+            count_data_time=self.count_data_time, extrapolate=self.extrapolate,
         )

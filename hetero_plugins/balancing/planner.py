@@ -80,6 +80,15 @@ class BalancePlanner:
             placed as for ``max_change_factor``. ``None`` (default): no limit; on the scenario family's validation
             split 1.0 raised the analytic allocators' mean throughput by 0.2-0.4% and lowered the worst clusters
             (see docs/scheduler.md, "Known gaps").
+        extrapolate: how a rank's step time is priced beyond the largest batch size its time model has measured
+            (in its current regime): ``"line"`` by the fitted line; ``"proportional"`` in proportion to the
+            batch from the line's time there (no fixed cost, so no economy of scale, beyond what was measured).
+            A saturation plateau fits a nearly flat line that prices any batch as almost free; ``"proportional"``
+            keeps that line where it was measured and prices the rest pessimistically, a convex curve on which
+            the split stays exact (``min_makespan_split`` with a knee, :mod:`hetero_plugins.balancing.splits`).
+            Each epoch measures the new sizes, so the knee moves out. It applies to allocators that split on
+            knees (``reads_knees``: ``"equal_finish"``, ``"dqn"``, ``"auto"``); the others (``"lbb"``,
+            ``"proportional"``, ``"static"``) decide and are gated on the plain lines.
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
         count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
@@ -113,6 +122,7 @@ class BalancePlanner:
         noise_margin: float = 1.0,
         count_data_time: bool = True,
         extrapolation_tolerance: float | None = None,
+        extrapolate: str = "proportional",
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -134,6 +144,10 @@ class BalancePlanner:
                         hint="e.g. 1.0 (a flat line at most doubles a rank's batch beyond what it has run at), or "
                              "None for no limit")
         self.extrapolation_tolerance = extrapolation_tolerance
+        if extrapolate not in ("line", "proportional"):
+            raise ValueError(f"`extrapolate`={extrapolate!r} is not an option. HINT: use 'line' (the fitted line "
+                             "everywhere) or 'proportional' (no economy of scale beyond the measured batch sizes).")
+        self.extrapolate = extrapolate
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0,
                                         hint="e.g. 1.0 (one standard error), or 0 to compare point predictions")
         self.count_data_time = bool(count_data_time)
@@ -233,9 +247,17 @@ class BalancePlanner:
         added to its intercept (``count_data_time``); a step takes ``max_i (data_i + compute_i)`` before the
         all-reduce."""
         lines = self._bank.lines()
-        if not self.count_data_time or not self._data.any():
+        knee = beyond = None
+        if self.extrapolate == "proportional" and getattr(self.allocator, "reads_knees", False):
+            big = self._bank.measured_max()
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ok = lines.known & (big > 0) & (lines.intercept > 0)
+                per = np.where(ok, (lines.intercept + lines.slope * big) / np.where(ok, big, 1.0), lines.slope)
+            knee, beyond = np.where(ok, big, np.inf), np.where(ok, per, 1.0)
+        if (not self.count_data_time or not self._data.any()) and knee is None:
             return lines
-        return TimeModelLines(lines.intercept + self._data, lines.slope, lines.known)
+        data = self._data if self.count_data_time else 0.0
+        return TimeModelLines(lines.intercept + data, lines.slope, lines.known, knee, beyond)
 
     def predict_step_time(self, plan: Sequence[int], shift: np.ndarray | float = 0.0) -> float:
         """Predicted makespan (slowest rank's compute plus data-loading seconds, :meth:`decision_lines`) of one
@@ -253,9 +275,8 @@ class BalancePlanner:
             return float("nan")
         predict = getattr(self.allocator, "predict_makespan", None)
         if predict is not None:
-            scale = np.broadcast_to(1.0 + np.asarray(shift, dtype=np.float64), params.intercept.shape)
-            return float(predict(TimeModelLines(params.intercept * scale, params.slope * scale, params.known), plan))
-        t = params.intercept + params.slope * np.asarray(plan, dtype=np.float64)
+            return float(predict(params.scaled(1.0 + np.asarray(shift, dtype=np.float64)), plan))
+        t = params.times(np.asarray(plan, dtype=np.float64))
         return float(np.max(t * (1.0 + shift)))
 
     def rates(self, plan: Sequence[int]) -> list[float | None]:
@@ -442,13 +463,15 @@ class BalancePlanner:
         lines = self.decision_lines()
         if lines.known.all() and np.all(lines.slope > 0) and np.all(np.isfinite(lines.intercept)):
             low, high = (q, hi) if missing >= 0 else (lo, q)
-            a, s = lines.intercept, lines.slope
+            a, s, beyond = lines.intercept, lines.slope, lines.beyond
             corrected = getattr(self.allocator, "lines", None)  # an allocator's own corrections (co-runner changes)
             if callable(corrected):
                 fixed, per_sample = (np.asarray(x, dtype=np.float64) for x in corrected(lines, self.world_size))
                 if fixed.shape == a.shape and np.all(per_sample > 0) and np.all(np.isfinite(fixed)):
+                    if beyond is not None:
+                        beyond = beyond * (per_sample / s)  # the correction scales the whole curve
                     a, s = fixed, per_sample
-            return min_makespan_split(a, s, self.global_batch, low, high).tolist()
+            return min_makespan_split(a, s, self.global_batch, low, high, lines.knee, beyond).tolist()
         return largest_remainder((q + missing * q / q.sum()).tolist(), self.global_batch, trust)
 
     def _record_move(self, old: Sequence[int], new: Sequence[int]) -> None:

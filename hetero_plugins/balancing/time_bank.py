@@ -121,6 +121,12 @@ class TimeModelBank:
             self._lines = TimeModelLines(np.where(known, kappa * slope, np.nan), slope, known)
         return self._lines
 
+    def measured_max(self) -> np.ndarray:
+        """Per rank, the largest batch size its current regime's levels were measured at (0 where none)."""
+        if not self.size:
+            return np.zeros(0)
+        return np.where(self._gw > 0, self._gb, 0.0).max(axis=1)
+
     def uncertainty(self) -> np.ndarray:
         """Per rank, the relative standard error of the predicted step time: the step-to-step noise (root mean
         squared log deviation from the level) over the square root of the level's recency weight (0 before
@@ -152,7 +158,7 @@ class TimeModelBank:
         """
         tol = check_float("tolerance", tolerance, minimum=0.0, hint="e.g. 1.0, or no limit")
         lines = self.lines()
-        big = np.where(self._gw > 0, self._gb, 0.0).max(axis=1) if self.size else np.zeros(0)
+        big = self.measured_max()
         ok = np.asarray(lines.known) & (big > 0)
         with np.errstate(invalid="ignore", divide="ignore"):
             kappa = np.where(ok, lines.intercept / lines.slope, 0.0)

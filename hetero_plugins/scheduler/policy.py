@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_bool, check_float, check_int
-from hetero_plugins.balancing.allocators import Allocator, fitted_models, min_makespan_split, register_allocator
+from hetero_plugins.balancing.allocators import (Allocator, fitted_models, knee_arrays, min_makespan_split,
+                                                 register_allocator)
+from hetero_plugins.balancing.lines import curve_times
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.interference import interference_correction
 from hetero_plugins.scheduler.safety import GuardedRelocator
@@ -110,6 +112,7 @@ class DQNAllocator(Allocator):
     """
 
     name = "dqn"
+    reads_knees = True
 
     def __init__(self, interference: Any = True, unseen_device: str = "mean", **removed: Any) -> None:
         _refuse_removed(type(self).__name__, removed)
@@ -187,12 +190,21 @@ class DQNAllocator(Allocator):
             a, beta = a * f, beta * f
         return a, beta
 
+    def knees(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """``models``' knees and the slopes past them (the planner's ``extrapolate="proportional"``) as the last
+        decision's corrections scale them; ``(None, None)`` without knees."""
+        knee, beyond = knee_arrays(models)
+        f = self._factors
+        if beyond is not None and f is not None and len(f) == world_size:
+            beyond = beyond * f
+        return knee, beyond
+
     def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
         """The planner's damping gate: predicted compute time of ``plan``'s slowest rank on the lines of the
         last decision (so a plan decided on a known co-runner change is not vetoed by the stale lines)."""
         n = len(plan)
         a, beta = self.lines(models, n)
-        return float(np.max(a + beta * np.asarray(plan, dtype=np.float64)))
+        return float(np.max(curve_times(a, beta, np.asarray(plan, dtype=np.float64), *self.knees(models, n))))
 
     def split(self, models: Sequence[TimeModelParams], global_batch: int, bounds: Any,
               factors: np.ndarray | None) -> list[int]:
@@ -200,7 +212,8 @@ class DQNAllocator(Allocator):
         n = bounds.world_size
         self._factors = None if factors is None or np.all(factors == 1.0) else np.asarray(factors, dtype=np.float64)
         a, beta = self.lines(models, n)
-        return min_makespan_split(a, beta, global_batch, bounds.min_batch, bounds.max_batch).tolist()
+        return min_makespan_split(a, beta, global_batch, bounds.min_batch, bounds.max_batch,
+                                  *self.knees(models, n)).tolist()
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
@@ -262,6 +275,7 @@ class AutoAllocator(Allocator):
     """
 
     name = "auto"
+    reads_knees = True
 
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
                  min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True, partial: bool = True,
