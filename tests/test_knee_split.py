@@ -79,7 +79,7 @@ def _slow(b):
 def test_a_plateau_rank_is_not_sent_past_its_cliff_on_a_flat_line() -> None:
     out = {}
     for mode in ("line", "proportional"):
-        p = BalancePlanner(2, 256, extrapolate=mode, initial_plan=[32, 224])
+        p = BalancePlanner(2, 256, extrapolate=mode, initial_plan=[32, 224], knee_factor=1.0)
         p.end_epoch(0, _records([32, 224], [_plateau, _slow]))
         p.plan = [48, 208]
         p.end_epoch(1, _records([48, 208], [_plateau, _slow]))
@@ -128,3 +128,56 @@ def test_the_learned_allocators_split_on_the_knee_scaled_by_their_corrections() 
 def test_a_bad_extrapolate_names_the_option(bad) -> None:
     with pytest.raises(ValueError, match="extrapolate"):
         BalancePlanner(2, 64, extrapolate=bad)
+
+
+def test_the_knee_factor_trusts_the_line_that_far_past_the_measured_sizes() -> None:
+    p = BalancePlanner(2, 256, initial_plan=[32, 224], knee_factor=2.0)
+    p.end_epoch(0, _records([32, 224], [_plateau, _slow]))
+    p.plan = [48, 208]
+    p.end_epoch(1, _records([48, 208], [_plateau, _slow]))
+    lines = p.decision_lines()
+    assert lines.knee[0] == 96  # twice the largest batch measured
+    assert lines.beyond[0] == pytest.approx(float(lines.intercept[0] + lines.slope[0] * 96) / 96)
+    t = lines.times(np.array([96.0, 1.0]))[0]
+    assert t == pytest.approx(float(lines.intercept[0] + lines.slope[0] * 96))  # the line up to the knee
+    assert lines.times(np.array([192.0, 1.0]))[0] == pytest.approx(2 * t)  # in proportion beyond it
+    with pytest.raises(ValueError, match="knee_factor"):
+        BalancePlanner(2, 64, knee_factor=0.5)
+
+
+def _long_plateau(b):
+    """Saturated up to 1000 samples: as fast at 400 as at 48."""
+    return 0.05 + 0.00001 * b + 0.0005 * max(0, b - 1000)
+
+
+def test_a_line_that_held_past_its_knee_is_trusted_twice_as_far() -> None:
+    speed = [_long_plateau, _slow]
+    p = BalancePlanner(2, 512, initial_plan=[32, 480])
+    p.end_epoch(0, _records([32, 480], speed))
+    p.plan = [48, 464]
+    p.end_epoch(1, _records([48, 464], speed))
+    assert p.decision_lines().knee[0] == 48
+    first = p.plan[0]
+    assert first > 48 and p._knees.probes  # noqa: SLF001 - the plan runs rank 0 past its knee: a probe
+    p.end_epoch(2, _records(p.plan, speed))  # the flat line held there
+    assert p._knees.trust[0] == 2.0  # noqa: SLF001
+    assert p.decision_lines().knee[0] == 2 * first
+
+
+def test_a_line_that_failed_past_its_knee_is_trusted_no_further() -> None:
+    def cliff(b):  # flat up to 60, then 20x per sample
+        return 0.05 + 0.00001 * b + 0.01 * max(0, b - 60)
+
+    speed = [cliff, _slow]
+    p = BalancePlanner(2, 512, initial_plan=[32, 480])
+    p._knees.trust[0] = 4.0  # noqa: SLF001 - as if the line had held twice before
+    p.end_epoch(0, _records([32, 480], speed))
+    p.plan = [48, 464]
+    p.end_epoch(1, _records([48, 464], speed))
+    assert p.plan[0] > 60 and 0 in p._knees.probes  # noqa: SLF001
+    p.end_epoch(2, _records(p.plan, speed))  # past the cliff: far slower than the line
+    assert p._knees.trust[0] == 1.0  # noqa: SLF001
+    lines = p.decision_lines()
+    # the knee is back at the largest measured batch, or the refit line has no fixed cost left to extrapolate
+    top = p._bank.measured_max()[0]  # noqa: SLF001
+    assert lines.knee[0] == top or (np.isinf(lines.knee[0]) and lines.intercept[0] <= 0)
