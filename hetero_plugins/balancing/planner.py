@@ -29,7 +29,7 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder, min_makespan_split
-from hetero_plugins.balancing.knees import KneeTrust
+from hetero_plugins.balancing.knees import KneeModel
 from hetero_plugins.balancing.time_model import (
     LinearTimeModel,
     ModelList,
@@ -90,9 +90,6 @@ class BalancePlanner:
             Each epoch measures the new sizes, so the knee moves out. It applies to allocators that split on
             knees (``reads_knees``: ``"equal_finish"``, ``"dqn"``, ``"auto"``); the others (``"lbb"``,
             ``"proportional"``, ``"static"``) decide and are gated on the plain lines.
-            Where a rank then runs past its knee and its time is nearer its line's than the proportional model's
-            (a plateau that runs on), the line is trusted twice as far for that rank (up to ``max_change_factor``
-            times its largest measured batch); where not, the knee returns to the largest measured batch.
         knee_factor: with ``extrapolate="proportional"``, the fitted line is trusted up to this multiple of the
             largest measured batch before the proportional pricing starts (>= 1; default 1, the most cautious).
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
@@ -165,7 +162,7 @@ class BalancePlanner:
         self._models = ModelList(self._bank)
         self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
         self._last_move = np.zeros(world_size, dtype=np.int64)
-        self._knees = KneeTrust(world_size, self.knee_factor, max_change_factor or 8.0)
+        self._knees = KneeModel(self.knee_factor)
         self.memory_caps: list[int | None] = [None] * world_size
         self.bounds.check_feasible(global_batch)
         if initial_plan is None:
@@ -346,7 +343,6 @@ class BalancePlanner:
             raise ValueError(f"`records` must have shape (world_size={self.world_size}, steps, 3), got {records.shape}.")
         skip = max(0, self.warmup_steps - self._observed_steps)
         if records.shape[1] > skip:
-            self._knees.check(records[:, skip:])
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
             if records.shape[2] >= 3:
                 b, d = records[:, skip:, 0], records[:, skip:, 2]
@@ -514,8 +510,6 @@ class BalancePlanner:
             log.info("BalancePlanner: new plan (predicted gain %.1f%%)", 100 * gain)
             self._record_move(current, proposal)
             self.plan = list(proposal)
-            if self.extrapolate == "proportional" and getattr(self.allocator, "reads_knees", False):
-                self._knees.set_probes(self._bank, self.plan)
         self._predicted_step_time = self.predict_step_time(self.plan)
         return {"next_batch_sizes": list(self.plan), "predicted_gain": gain, "plan_changed": adopt}
 
