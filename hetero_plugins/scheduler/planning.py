@@ -66,7 +66,7 @@ def planner_rollout(planner: Any, lines: Sequence[tuple[float, float]], data: Se
     Example::
 
         >>> from hetero_plugins.balancing.planner import BalancePlanner
-        >>> p = BalancePlanner(2, 64)
+        >>> p = BalancePlanner(2, 64, extrapolate="line")  # the lines everywhere: [48, 16], 0.058 s a step
         >>> p.seed_model(0, (0.01, 0.001)); p.seed_model(1, (0.01, 0.003)); _ = p.replan()
         >>> round(planner_rollout(p, [(0.01, 0.001), (0.01, 0.003)], [0.0, 0.0], steps=10, horizon=1, noise=0.0), 3)
         0.58
