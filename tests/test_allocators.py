@@ -110,8 +110,7 @@ def test_bad_allocator_and_bounds():
 
 @pytest.mark.parametrize("module", ["hetero_plugins.balancing.allocators", "hetero_plugins.balancing.planner",
                                     "hetero_plugins.balancing.time_model", "hetero_plugins.balancing.time_bank",
-                                    "hetero_plugins.balancing.splits", "hetero_plugins.balancing.lines",
-                                    "hetero_plugins.balancing.knees"])
+                                    "hetero_plugins.balancing.splits", "hetero_plugins.balancing.lines"])
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -10,7 +10,7 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["TimeModelLines", "TimeModelParams", "curve_times"]
+__all__ = ["TimeModelLines", "TimeModelParams", "curve_times", "proportional_knees"]
 
 
 def curve_times(intercept: Any, slope: Any, batch: Any, knee: Any = None, beyond: Any = None) -> np.ndarray:
@@ -110,3 +110,23 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
 
     def __repr__(self) -> str:
         return f"TimeModelLines({list(self)!r})"
+
+
+def proportional_knees(lines: TimeModelLines, measured: Any, factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the knee past which ``lines`` stop being trusted (``factor`` times the largest batch size the rank
+    has ``measured``; ``inf``: none, where the line has no fixed cost or nothing was measured) and the seconds per
+    sample past it: the line's time at the knee over the knee, so that beyond it the time grows in proportion to
+    the batch (the planner's ``extrapolate="proportional"``).
+
+    Example::
+
+        >>> flat = TimeModelLines(np.array([0.0992]), np.array([0.00005]), np.array([True]))  # a plateau
+        >>> knee, beyond = proportional_knees(flat, [32])
+        >>> int(knee[0]), round(float(curve_times(flat.intercept, flat.slope, [64], knee, beyond)[0]), 4)
+        (32, 0.2016)
+    """
+    big = np.floor(np.asarray(measured, dtype=np.float64) * factor)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ok = lines.known & (big > 0) & (lines.intercept > 0)
+        per = np.where(ok, (lines.intercept + lines.slope * big) / np.where(ok, big, 1.0), lines.slope)
+    return np.where(ok, big, np.inf), np.where(ok, per, 1.0)

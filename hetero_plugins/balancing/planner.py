@@ -29,7 +29,7 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder, min_makespan_split
-from hetero_plugins.balancing.knees import KneeModel
+from hetero_plugins.balancing.lines import proportional_knees
 from hetero_plugins.balancing.time_model import (
     LinearTimeModel,
     ModelList,
@@ -162,7 +162,6 @@ class BalancePlanner:
         self._models = ModelList(self._bank)
         self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
         self._last_move = np.zeros(world_size, dtype=np.int64)
-        self._knees = KneeModel(self.knee_factor)
         self.memory_caps: list[int | None] = [None] * world_size
         self.bounds.check_feasible(global_batch)
         if initial_plan is None:
@@ -256,7 +255,7 @@ class BalancePlanner:
         lines = self._bank.lines()
         knee = beyond = None
         if self.extrapolate == "proportional" and getattr(self.allocator, "reads_knees", False):
-            knee, beyond = self._knees.knees(self._bank, lines)
+            knee, beyond = proportional_knees(lines, self._bank.measured_max(), self.knee_factor)
         if (not self.count_data_time or not self._data.any()) and knee is None:
             return lines
         data = self._data if self.count_data_time else 0.0
