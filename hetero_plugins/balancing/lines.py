@@ -69,7 +69,8 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
         self.slope = np.asarray(slope, dtype=np.float64)
         self.known = np.asarray(known, dtype=bool)
         if (knee is None) != (beyond is None):
-            raise ValueError("`knee` and `beyond` go together. HINT: pass both (one entry per rank) or neither.")
+            raise ValueError(f"`knee` and `beyond` go together, got knee={knee!r} and beyond={beyond!r}. HINT: pass "
+                             "both (one entry per rank) or neither.")
         self.knee = None if knee is None else np.asarray(knee, dtype=np.float64)
         self.beyond = None if beyond is None else np.asarray(beyond, dtype=np.float64)
 
