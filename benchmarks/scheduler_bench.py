@@ -16,6 +16,10 @@ Targets (each verdict is computed from the figures, never written by hand):
 - transfer of the placement network: within 2% of scratch's final quality with <= 25% of its samples;
 - ``auto`` decides in <= 10 ms at 1024 ranks (one core, a co-runner change on a tenth of the ranks).
 
+The ``auto`` and ``dqn`` rows are measured twice: re-planning at epoch ends only, and re-planning every
+``--replan-every`` steps within epochs as well (default 5, the integrations' ``BalancingOptions.replan_every``
+default), each against the best analytic allocator planned the same way.
+
 Policies, each run closed loop in the simulator (``simulate``) with a fresh scheduler per run:
 
 - ``auto``: :class:`~hetero_plugins.scheduler.policy.AutoAllocator` with its guarded relocation, as
@@ -52,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins.balancing.allocators import Bounds, get_allocator
+from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.measured import leave_pairs_out, load_measured_predictor, load_table
 from hetero_plugins.scheduler.placement_policy import AUTO_RELOCATION, LearnedRelocator, make_relocator
@@ -67,6 +72,7 @@ README_START, README_END = "<!-- readme-scheduler:start -->", "<!-- readme-sched
 ANALYTIC = ("equal_finish", "lbb", "proportional")
 BUILTINS = ("static_mix", "paper_mix", "interference", "dynamic", "elastic")
 POLICIES = ("auto", "auto_split", "dqn", "learned", "planned", "planned_critic", "greedy")
+REPLANNED = ("auto", "dqn")  # the policies also measured with mid-epoch re-plans
 
 
 def _single_thread() -> Any:
@@ -129,7 +135,19 @@ def policies(comp: Components, record: dict[str, list[Any]]) -> dict[str, tuple[
     return out
 
 
-def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split: str) -> dict[str, Any]:
+def run_replanned(sc: Any, comp: Components, seeds: list[int], every: int) -> dict[str, Any]:
+    """``auto`` and ``dqn`` against the best analytic allocator, all re-planning every ``every`` steps."""
+    pols = policies(comp, {"auto": [], "guard": []})
+    rows = evaluate([sc], {k: pols[k] for k in (*ANALYTIC, *REPLANNED)}, seeds, replan_every=every)
+    best = best_analytic([sc], seeds, rows=rows, replan_every=every)[sc.name]["policy"]
+    mean = {r["policy"]: r["steady_samples_per_s"] for r in rows}
+    return {"every": every, "samples_per_s": mean, "best_analytic": best,
+            "vs_best_analytic": {p: mean[p] / mean[best] for p in REPLANNED},
+            "per_seed": {r["policy"]: r["per_seed"] for r in rows}}
+
+
+def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split: str,
+                 replan_every: int | None = None) -> dict[str, Any]:
     sc = load_scenario(spec)
     record: dict[str, list[Any]] = {"auto": [], "guard": []}
     rows = evaluate([sc], policies(comp, record), seeds)
@@ -152,6 +170,8 @@ def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split
         "relocations_per_run": {r["policy"]: r["relocations"] for r in rows},
     }
     row.update(placement_ratios(mean))
+    if replan_every:
+        row["replanned"] = run_replanned(sc, comp, seeds, replan_every)
     return row
 
 
@@ -275,6 +295,19 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                         "figures": f"min {min(v):.3f} ({worst['scenario']}), mean {np.mean(v):.3f}, "
                                    f"below goal on {sum(x < goal for x in v)}",
                         "ok": min(v) >= goal})
+    every = res.get("replan_every")
+    for pol, goal in (("auto", 0.99), ("dqn", 0.97)) if every else ():
+        for split in ("test", "built-in"):
+            rs = [r for r in rows if r["split"] == split and "replanned" in r]
+            if not rs:
+                continue
+            v = [r["replanned"]["vs_best_analytic"][pol] for r in rs]
+            worst = min(rs, key=lambda r: r["replanned"]["vs_best_analytic"][pol])
+            out.append({"target": f"{pol} vs best analytic, re-planning every {every} steps (the integrations' "
+                                  f"default), every {split} scenario ({len(rs)})", "goal": f">= {goal}",
+                        "figures": f"min {min(v):.3f} ({worst['scenario']}), mean {np.mean(v):.3f}, "
+                                   f"below goal on {sum(x < goal for x in v)}",
+                        "ok": min(v) >= goal})
     churn = placement_rows(res)
     first = res.get("placement_count", sum(r["split"] == "test" for r in rows))
     if not churn:
@@ -371,6 +404,14 @@ def table(res: dict[str, Any]) -> str:
             f"{_fmt(r.get('planned_critic_vs_none'))} | {r['greedy_vs_none']:.3f} | "
             f"{100 * b[r['best_analytic']]:.0f}% / {100 * b['auto']:.0f}% / {100 * b['dqn']:.0f}% | "
             f"{d['auto_ncf']} / {d['auto_fallback']} / {d['auto_reloc_kept']} / {d['auto_reloc_vetoed']} |")
+    replanned = [r for r in rows if "replanned" in r]
+    if replanned:
+        lines += ["", f"Re-planning every {res['replan_every']} steps within epochs as well as at their ends (the "
+                      "integrations' default), each policy against the best analytic allocator planned the same way:",
+                  "", "| scenario | split | best analytic | auto | dqn |", "|---|---|---|---|---|"]
+        lines += [f"| {r['scenario']} | {r['split']} | {r['replanned']['best_analytic']} | "
+                  f"{r['replanned']['vs_best_analytic']['auto']:.3f} | {r['replanned']['vs_best_analytic']['dqn']:.3f} |"
+                  for r in replanned]
     extra = res.get("placement_scenarios", [])
     if extra:
         lines += ["", f"Placement only: the test split's other scenarios with churn and free slots among its first "
@@ -419,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-docs", default=None, help="write the table between the markers of this file")
     parser.add_argument("--update-readme", default=None,
                         help="write the targets table between the readme-scheduler markers of this file")
+    parser.add_argument("--replan-every", type=int, default=BalancingOptions().replan_every,
+                        help="also measure auto and dqn re-planning every this many steps within epochs (default: "
+                             "the integrations' BalancingOptions.replan_every, 5); 0: epoch ends only")
     parser.add_argument("--skip-transfer", action="store_true", help="leave the transfer curves out (the slowest part)")
     parser.add_argument("--table", default=None,
                         help="a measured interference table (JSON) to draw the family's interference from "
@@ -429,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     count = args.test_count if args.test_count is not None else (4 if args.quick else 20)
     if count < 0:
         parser.error(f"--test-count must be >= 0, got {count}. HINT: e.g. --test-count 20")
+    if args.replan_every < 0:
+        parser.error(f"--replan-every must be >= 0, got {args.replan_every}. HINT: e.g. --replan-every 5, or 0 to "
+                     "re-plan at epoch ends only")
     placement = args.placement_count if args.placement_count is not None else (count if args.quick else 100)
     if placement < count:
         parser.error(f"--placement-count must be >= --test-count ({count}), got {placement}. HINT: e.g. "
@@ -445,14 +492,16 @@ def main(argv: list[str] | None = None) -> int:
         note += f" (the placement rows: first {placement})"
     res: dict[str, Any] = {"seeds": seeds, "scenario_note": note, "ncf_source": comp.ncf_source,
                            "quick": args.quick, "scenarios": [], "placement_count": placement if count else 0,
-                           "placement_scenarios": []}
+                           "placement_scenarios": [], "replan_every": args.replan_every or None}
     with _single_thread():
         for split, spec in sets:
             t1 = time.perf_counter()
-            row = run_scenario(spec, comp, seeds, split)
+            row = run_scenario(spec, comp, seeds, split, args.replan_every or None)
             res["scenarios"].append(row)
             v = row["vs_best_analytic"]
+            rv = row.get("replanned", {}).get("vs_best_analytic")
             print(f"{row['scenario']} ({split}, {row['world_size']} ranks): auto {v['auto']:.3f}, dqn {v['dqn']:.3f}, "
+                  + ("" if rv is None else f"re-planned auto {rv['auto']:.3f}, dqn {rv['dqn']:.3f}, ") +
                   f"learned/none {_fmt(row.get('learned_vs_none'))}, "
                   f"greedy/none {row['greedy_vs_none']:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
         if count:
@@ -474,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         (f" --seeds {args.seeds}" if args.seeds != 3 else "") + \
         (f" --test-count {args.test_count}" if args.test_count is not None else "") + \
         (f" --placement-count {args.placement_count}" if args.placement_count is not None else "") + \
+        (f" --replan-every {args.replan_every}" if args.replan_every != BalancingOptions().replan_every else "") + \
         (" --skip-transfer" if args.skip_transfer else "") + (" --table TABLE" if args.table else "")
     if res["command"] == "python benchmarks/scheduler_bench.py":
         res["command"] = "make bench-scheduler"

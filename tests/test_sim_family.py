@@ -284,3 +284,17 @@ def test_evaluate_and_best_analytic():
         evaluate(scs, {"x": "equal_finish"})
     with pytest.raises(ValueError, match="seeds.*HINT"):
         evaluate(scs, pols, seeds=())
+
+
+def test_evaluate_replans_within_epochs_when_asked():
+    """``replan_every`` reaches the simulated loop, and ``best_analytic`` reuses only rows planned the same way."""
+    sc = generate_scenario(8, table=TABLE, world=4)
+    rows = evaluate([sc], {"ef": ("equal_finish", None)}, seeds=(0,), epochs=3, replan_every=2)
+    direct = simulate(sc, "equal_finish", epochs=3, seed=0, replan_every=2)["steady_samples_per_s"]
+    assert rows[0]["replan_every"] == 2 and rows[0]["steady_samples_per_s"] == direct
+    ends = evaluate([sc], {a: (a, None) for a in ANALYTIC}, seeds=(0,), epochs=3)
+    assert ends[0]["replan_every"] is None and ends[0]["steady_samples_per_s"] != direct  # re-planning changed the run
+    replanned = best_analytic([sc], seeds=(0,), epochs=3, replan_every=2)[sc["name"]]
+    reused = best_analytic([sc], seeds=(0,), epochs=3, rows=ends, replan_every=2)[sc["name"]]
+    assert reused["replan_every"] == 2 and reused["steady_samples_per_s"] == replanned["steady_samples_per_s"]
+    assert best_analytic([sc], seeds=(0,), epochs=3, rows=ends)[sc["name"]] in ends  # same planning: reused

@@ -80,6 +80,7 @@ def evaluate(
     seeds: Sequence[int] = (0, 1, 2),
     *,
     epochs: int | None = None,
+    replan_every: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run every policy on every scenario under every seed (a fresh allocator and relocator per run).
 
@@ -89,9 +90,12 @@ def evaluate(
         policies: ``{name: (allocator, relocation)}`` (see :data:`AllocatorSpec` and :data:`RelocationSpec`).
         seeds: noise seeds (each overrides the scenario's own).
         epochs: epochs to simulate (default: each scenario's own).
+        replan_every: re-plan every this many steps within an epoch as well as at its end (``None``: at epoch ends
+            only; the integrations' :class:`~hetero_plugins.balancing.options.BalancingOptions` default is 5).
 
     Returns:
-        one row per scenario and policy, in that order: ``scenario``, ``policy``, ``steady_samples_per_s`` and
+        one row per scenario and policy, in that order: ``scenario``, ``policy``, ``replan_every``,
+        ``steady_samples_per_s`` and
         ``steady_busy_fraction`` (means over the seeds), ``samples_per_s``, ``decision_ms``, ``relocations``
         (moves per run) and ``restarts`` (means), ``wall_s`` (simulation seconds, all seeds) and ``per_seed``
         (``seed``, ``steady_samples_per_s``, ``steady_busy_fraction`` of each run).
@@ -105,11 +109,13 @@ def evaluate(
             t0 = time.perf_counter()
             runs = []
             for s in seeds:
-                out = simulate(sc, _allocator(alloc, sc), epochs=epochs, seed=int(s), relocation=_relocation(reloc, sc))
+                out = simulate(sc, _allocator(alloc, sc), epochs=epochs, seed=int(s), relocation=_relocation(reloc, sc),
+                               replan_every=replan_every)
                 runs.append(out)
             rows.append({
                 "scenario": sc.name,
                 "policy": name,
+                "replan_every": replan_every,
                 "steady_samples_per_s": float(np.mean([r["steady_samples_per_s"] for r in runs])),
                 "steady_busy_fraction": float(np.mean([r["steady_busy_fraction"] for r in runs])),
                 "samples_per_s": float(np.mean([r["samples_per_s"] for r in runs])),
@@ -129,24 +135,26 @@ def best_analytic(
     *,
     epochs: int | None = None,
     rows: Sequence[Mapping[str, Any]] | None = None,
+    replan_every: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The best analytic allocator of each scenario: the best mean steady throughput of :data:`ANALYTIC` (no
     relocation), as ``{scenario name: row}`` (an :func:`evaluate` row of the winner, its ``policy`` the allocator).
 
-    ``rows`` (from :func:`evaluate` with the same seeds and epochs) are reused where they hold a policy named
-    like an analytic allocator; the missing runs are simulated.
+    ``rows`` (from :func:`evaluate` with the same seeds, epochs and ``replan_every``) are reused where they hold a
+    policy named like an analytic allocator; the missing runs are simulated.
     """
     scs = [load_scenario(s) for s in scenarios]
     have: dict[tuple[str, str], Mapping[str, Any]] = {}
     for r in rows or ():
-        if r["policy"] in ANALYTIC and [p["seed"] for p in r["per_seed"]] == [int(s) for s in seeds]:
+        if r["policy"] in ANALYTIC and [p["seed"] for p in r["per_seed"]] == [int(s) for s in seeds] \
+                and r.get("replan_every") == replan_every:
             have[(r["scenario"], r["policy"])] = r
     best: dict[str, dict[str, Any]] = {}
     for sc in scs:
         missing = {a: (a, None) for a in ANALYTIC if (sc.name, a) not in have}
         cand = [dict(have[(sc.name, a)]) for a in ANALYTIC if (sc.name, a) in have]
         if missing:
-            cand += evaluate([sc], missing, seeds, epochs=epochs)
+            cand += evaluate([sc], missing, seeds, epochs=epochs, replan_every=replan_every)
         best[sc.name] = max(cand, key=lambda r: r["steady_samples_per_s"])
     return best
 
