@@ -35,19 +35,22 @@ def _scaled(m: P, f: float) -> P:
     return P(m.intercept * f, m.slope * f)
 
 
-def _arrival_then_departure(ncf_says: float, truth: float) -> tuple[AutoAllocator, list[int], list[int]]:
+def _arrival_then_departure(ncf_says: float, truth: float, defaults: bool = False
+                            ) -> tuple[AutoAllocator, list[int], list[int]]:
     """Epoch 1: a video job arrives beside the t4 (NCF: ``ncf_says``); epoch 2 measures it (``truth``); the job
-    leaves at epoch 3. Returns the allocator (not trusting unchecked predictions), its plan for epoch 3 and
-    equal_finish's on the same lines."""
-    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): ncf_says, ("v100", "video"): 1.4}),
-                         trust_unverified=False)
+    leaves at epoch 3. Returns the allocator (trusting measured ratios, not unchecked predictions; ``defaults``:
+    the default options), its plan for epoch 3 and equal_finish's on the same lines."""
+    table = TablePredictor({("t4", "video"): ncf_says, ("v100", "video"): 1.4})
+    auto = AutoAllocator(interference=table) if defaults else \
+        AutoAllocator(interference=table, trust_unverified=False, measured_ratios=True)
     bounds = Bounds.uniform(4)
     models = [FAST] * 3 + [SLOW]
     first = auto.allocate(models, 256, bounds)
     auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
     arrival = auto.allocate(models, 256, bounds, current=first)
-    assert auto.last_choice == "equal_finish" and arrival == first  # never measured yet: not trusted
-    assert auto.last_reason == "rank 3 (t4, None -> video) is unverified and trust_unverified=False"
+    if not defaults:
+        assert auto.last_choice == "equal_finish" and arrival == first  # never measured yet: not trusted
+        assert auto.last_reason == "rank 3 (t4, None -> video) is unverified and trust_unverified=False"
     measured = [FAST] * 3 + [_scaled(SLOW, truth)]  # what the epoch beside the video job measured
     auto.set_context(devices=DEVICES, corunners=[None] * 3 + ["video"], next_corunners=[None] * 4)
     departure = auto.allocate(measured, 256, bounds, current=arrival)
@@ -79,6 +82,11 @@ def test_auto_corrects_a_measured_change_by_the_measured_ratio_whatever_the_ncf_
     auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
     mixed = auto.allocate(lines, 256, Bounds.uniform(4), current=plan)
     assert auto.last_choice == "ncf" and mixed == _exact(lines, [1.0, 1.0, 1.0, 1.2])
+    # By default (measured_ratios=False) the measured ratio is kept but the NCF's word corrects the departure.
+    default, plan, ef = _arrival_then_departure(ncf_says=ncf_says, truth=1.2, defaults=True)
+    assert default.measured_ratio("training", "t4", None, "video") == pytest.approx(1.2)
+    assert default.last_choice == "ncf" and default.sources == {"measured": 0, "ncf": 2}
+    assert plan == _exact(measured, [1.0, 1.0, 1.0, 1 / ncf_says]) and default.disagreements == 0
     # The default (trust_unverified=True) corrects the first arrival on the NCF's word.
     trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}))
     trusting.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
@@ -88,13 +96,25 @@ def test_auto_corrects_a_measured_change_by_the_measured_ratio_whatever_the_ncf_
 
 
 def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_reference():
-    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0, ("t4", "etl"): 1.5}), min_record=1)
-    auto.ncf_errors.append(float(np.log(2.0 / 1.2)))  # one measured change, predicted 67% too slow
-    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
+    table = TablePredictor({("t4", "video"): 2.0, ("t4", "etl"): 1.5})
     models = [FAST] * 3 + [SLOW]
     bounds = Bounds.uniform(4)
-    assert auto.allocate(models, 256, bounds) == EqualFinishAllocator().allocate(models, 256, bounds)
-    assert "NCF median error 67%" in auto.last_reason
+    for gate_split in (True, False):
+        auto = AutoAllocator(interference=table, min_record=1, gate_split=gate_split)
+        auto.ncf_errors.append(float(np.log(2.0 / 1.2)))  # one measured change, predicted 67% too slow
+        auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
+        plan = auto.allocate(models, 256, bounds)
+        assert "NCF median error 67%" in auto.trusted()  # relocations are vetoed either way
+        if gate_split:  # the split falls back too
+            assert plan == EqualFinishAllocator().allocate(models, 256, bounds)
+            assert "NCF median error 67%" in auto.last_reason
+        else:  # the default: the announced change is still corrected by the NCF
+            assert auto.last_choice == "ncf" and plan == _exact(models, [1.0, 1.0, 1.0, 1.5])
+    noisy = AutoAllocator(interference=table, gate_split=True, max_noise=0.01)
+    noisy._residuals.append(np.array([0.1, -0.1, 0.12]))  # the lines missed this epoch's times by ~10%
+    noisy.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
+    assert noisy.allocate(models, 256, bounds) == EqualFinishAllocator().allocate(models, 256, bounds)
+    assert "residual spread" in noisy.last_reason and "residual spread" in noisy.trusted()
     ref = AutoAllocator(interference=TablePredictor({("t4", "etl"): 1.5}),
                         reference=TablePredictor({("t4", "etl"): 1.1}))
     ref.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
@@ -106,6 +126,8 @@ def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_referen
         AutoAllocator(tolerance=0.1)
     with pytest.raises(ValueError, match="`reference`=3 is not a predictor.*HINT"):
         AutoAllocator(reference=3)
+    with pytest.raises(ValueError, match="measured_ratios"):
+        AutoAllocator(measured_ratios="yes")
 
 
 @pytest.mark.parametrize("name", ["static_mix", "dynamic", "paper_mix"])
@@ -204,3 +226,22 @@ def test_auto_learns_no_slowdown_from_a_rank_that_just_moved():
                       next_corunners=["video", None, None, "video"])
     still.allocate(measured, 256, bounds, current=p)
     assert still.measured_ratio("training", "t4", None, "video") == pytest.approx(0.5)
+
+
+def test_guard_vetoes_a_slot_whose_measured_slowdown_contradicts_the_ncf_only_with_measured_ratios():
+    """With ``measured_ratios`` a slot's co-runner slowdown measured in this run (3x) outranks the NCF's (1.1x)
+    and the move there is vetoed; by default the measured ratio is kept but the NCF prices the move."""
+    table = TablePredictor({("v100", "video"): 1.1, ("t4", "video"): 1.1})
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, None],
+              lines=[(0.005, 0.0005), (0.006, 0.0030)], free_slots=[{"device": "v100", "corunner": "video"}],
+              global_batch=512, steps_per_epoch=20, epochs_left=5, workload="training")
+    assert Relocator(restart_cost=0.0, predictor=table).propose(**kw).moves == [(1, 0)]
+    for measured_ratios in (True, False):
+        auto = AutoAllocator(interference=table, measured_ratios=measured_ratios)
+        auto.measured[("training", "v100", None, "video")] = [float(np.log(3.0))]
+        guarded = auto.guard(Relocator(restart_cost=0.0, predictor=table))
+        moves = guarded.propose(**kw).moves
+        if measured_ratios:
+            assert moves == [] and "NCF slowdown 1.10 disagrees with the measured 3.00" in guarded.last_reason
+        else:
+            assert moves == [(1, 0)] and guarded.kept == 1

@@ -227,43 +227,58 @@ class DQNAllocator(Allocator):
 
 
 class AutoAllocator(Allocator):
-    """The safe scheduler: the exact split on lines corrected by the best evidence for each changed rank, and
-    ``equal_finish``'s plan, unchanged, when the time models are too noisy to trust any correction.
+    """The safe scheduler: the exact split on lines corrected for announced co-runner changes, and relocations kept
+    only while its models are trusted (:meth:`guard`).
 
     Without a co-runner change in the context the plan is ``equal_finish``'s. With one, each rank whose co-runner
-    changes is corrected by (``last_choice`` is ``"ncf"`` when any rank is corrected, else ``"equal_finish"``;
-    ``last_reason`` says why, for logs; ``sources`` counts which evidence was used):
+    changes is corrected by the NCF's slowdown ratio (``last_choice`` is ``"ncf"`` when any rank is corrected,
+    else ``"equal_finish"``; ``last_reason`` says why, for logs; ``sources`` counts which evidence was used),
+    unless ``reference`` (a second predictor, e.g. an additive baseline, where given) disagrees by more than
+    ``agreement`` or ``trust_unverified=False`` refuses a prediction nothing has checked; such a rank is left as
+    ``equal_finish`` sees it (``partial=False``: the whole decision falls back).
 
-    - *ensemble, measured*: every run keeps the slowdown ratios it actually measured: after a rank's co-runner
-      changed, the ratio of its fitted line's time at the plan that ran to the line before the change, per
-      (device type, old, new co-runner). Where this change was measured before, the median measured ratio is
-      the correction (a measurement outranks any model; a disagreeing NCF is counted in ``disagreements``).
-    - *the NCF*, for a change not measured yet, when its *track record* passes (every measured change also
-      scores the NCF's prediction of it; once ``min_record`` changes are scored, their median relative error
-      must be at most ``max_ncf_error``), ``reference`` (a second predictor, e.g. an additive baseline, where
-      given) agrees within ``agreement``, and ``trust_unverified`` allows a prediction nothing has checked.
-    - otherwise the rank is left as ``equal_finish`` sees it (``partial=False``: the whole decision falls back).
-    - *time models' residuals*: the fitted lines of ranks whose co-runner did not change must have predicted
-      this epoch's times within ``max_noise`` (robust spread of the log residuals over the last three
-      decisions); noisier lines make measured ratios and corrections unreliable, so the decision falls back.
+    Two more checks are off for the split by default and always on for relocations:
+
+    - ``measured_ratios``: a change this run measured before (the ratio of a rank's fitted line after a co-runner
+      change to its line before it, per device type, old and new co-runner) is corrected by the median measured
+      ratio instead of the NCF's, and the guard vetoes moving to a slot whose measured slowdown disagrees with the
+      NCF. Off by default: those ratios are differences of fitted lines across a boundary, and on the family's
+      validation split they erred far more than the NCF (truth 1.01, measured 0.50-1.72 on one cluster at 10%
+      step noise), so substituting them cost 3% on average and up to 16% on a cluster (120 clusters, 3 seeds:
+      ``auto`` 1.206x / 1.194x the best analytic allocator on the two halves with them and the split gate below,
+      1.245x / 1.235x without; worst 0.997x / 0.990x against 0.992x / 0.989x; re-planning every 5 steps, first
+      30 clusters, 1.179x -> 1.205x ``equal_finish``, worst 1.023x -> 1.018x).
+    - ``gate_split``: the whole decision falls back to ``equal_finish`` when the NCF's *track record* fails (every
+      measured change also scores the NCF's prediction of it; once ``min_record`` changes are scored, their median
+      relative error must be at most ``max_ncf_error``) or the fitted lines of ranks whose co-runner did not
+      change predicted this epoch's times worse than ``max_noise`` (robust spread of the log residuals over the
+      last three decisions). For the split both judge the NCF by the same noisy measured ratios, and dropping an
+      announced change's correction leaves the split as wrong as the whole slowdown; :meth:`trusted` (the
+      relocation guard) keeps both, since a wrong move costs a restart.
 
     What is learned online: the measured ratios, the NCF's errors and the residuals, from every epoch boundary
     the allocator sees with a context (:meth:`set_context`; calls without one, e.g. mid-epoch re-plans, are
-    not scored). :meth:`guard` wraps a relocator so that its moves are kept only under the same checks.
+    not scored). :meth:`guard` wraps a relocator so that its moves are kept only under the relocation checks.
 
     Args:
         interference, unseen_device: the NCF, as for :class:`DQNAllocator` (``False``: always ``equal_finish``).
         agreement: relative disagreement tolerated between the NCF's ratio and a measured (or ``reference``)
             ratio, in (0, 1].
-        max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0.
+        max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0
+            (relocations; the split too with ``gate_split``).
         min_record: measured changes before the track record is judged, >= 1.
-        max_noise: largest tolerated robust spread of the time models' log residuals, > 0.
+        max_noise: largest tolerated robust spread of the time models' log residuals, > 0 (relocations; the split
+            too with ``gate_split``).
         trust_unverified: correct changes nothing has checked yet on the NCF's word (default ``True``: on the
             family's validation split, with measured ratios first, ``False`` scored min 0.955 / mean 1.02 of the
             best analytic allocator, ``True`` min 1.004 / mean 1.157).
         partial: with unverified changes, correct the verified ranks only (``True``) or none (``False``).
         reference: ``None``, or a second predictor (anything with ``predict(workload, device, corunner)``, or
             an ``InterferenceCorrection``) the NCF must agree with.
+        measured_ratios: correct a change measured before in this run by the measured ratio, not the NCF's, and
+            veto moves to slots whose measured slowdown disagrees with the NCF (default ``False``, see above).
+        gate_split: fall back to ``equal_finish`` for the split too when the NCF's track record or the residual
+            spread fails (default ``False``, see above).
 
     Example::
 
@@ -279,7 +294,8 @@ class AutoAllocator(Allocator):
 
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
                  min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True, partial: bool = True,
-                 reference: Any = None, unseen_device: str = "mean", **removed: Any) -> None:
+                 reference: Any = None, unseen_device: str = "mean", measured_ratios: bool = False,
+                 gate_split: bool = False, **removed: Any) -> None:
         _refuse_removed(type(self).__name__, removed)
         self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device)
         self.agreement = check_float("agreement", agreement, minimum=0.0,
@@ -295,6 +311,8 @@ class AutoAllocator(Allocator):
             raise ValueError(f"`max_noise`={max_noise!r} must be > 0. HINT: e.g. 0.08.")
         self.trust_unverified = check_bool("trust_unverified", trust_unverified)
         self.partial = check_bool("partial", partial)
+        self.measured_ratios = check_bool("measured_ratios", measured_ratios)
+        self.gate_split = check_bool("gate_split", gate_split)
         if reference is not None and not (hasattr(reference, "predict") or hasattr(reference, "slowdown")):
             raise ValueError(f"`reference`={reference!r} is not a predictor. HINT: pass None or an object with "
                              "predict(workload, device, corunner) (e.g. an InterferencePredictor).")
@@ -421,19 +439,20 @@ class AutoAllocator(Allocator):
         return ""
 
     def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray) -> str:
-        """Sets each changed rank's correction in ``factors`` (the ensemble, rank by rank) and returns ``""``, or
-        the reason the whole decision falls back to ``equal_finish``.
+        """Sets each changed rank's correction in ``factors`` (rank by rank) and returns ``""``, or the reason the
+        whole decision falls back to ``equal_finish``.
 
-        A change this run measured before is corrected by the median measured ratio (a measurement outranks any
-        model; where the NCF disagrees with it the disagreement is logged). Otherwise the NCF's ratio is used
-        when its track record passes, the ``reference`` agrees (where given) and ``trust_unverified`` allows an
-        unchecked prediction; else the rank stays as ``equal_finish`` sees it (``partial=False``: the whole
-        decision falls back)."""
+        With ``measured_ratios``, a change this run measured before is corrected by the median measured ratio
+        (where the NCF disagrees with it the disagreement is logged). Otherwise the NCF's ratio is used when
+        (with ``gate_split``) its track record passes, the ``reference`` agrees (where given) and
+        ``trust_unverified`` allows an unchecked prediction; else the rank stays as ``equal_finish`` sees it
+        (``partial=False``: the whole decision falls back). With ``gate_split`` a residual spread above
+        ``max_noise`` makes the whole decision fall back."""
         workload, devices, old, new = ctx
-        noisy = self._noise_reason()
+        noisy = self._noise_reason() if self.gate_split else ""
         if noisy:
             return noisy
-        record = self._record_reason()  # "": the NCF's track record holds
+        record = self._record_reason() if self.gate_split else ""  # "": the NCF's track record holds (or is not asked)
         tol = math.log1p(self.agreement)
         left: list[str] = []  # why changed ranks were left uncorrected
         for i in range(len(devices)):
@@ -441,7 +460,7 @@ class AutoAllocator(Allocator):
             if c0 == c1:
                 continue
             q = float(factors[i])
-            m = self.measured_ratio(workload, d, c0, c1)
+            m = self.measured_ratio(workload, d, c0, c1) if self.measured_ratios else None
             if m is not None:
                 if q != 1.0 and abs(math.log(q / m)) > tol:
                     self.disagreements += 1

@@ -29,8 +29,8 @@ class GuardedRelocator:
 
     Moves are vetoed (the decision becomes "stay") when the allocator does not trust its models
     (``AutoAllocator.trusted``: the NCF's track record, the residual spread, or a disagreement at this
-    boundary); when a slot a rank would move to has a measured slowdown in this run that disagrees with the
-    NCF's; when the predicted saving over the next (at most three) epochs is below ``payback`` times the
+    boundary); with the allocator's ``measured_ratios``, when a slot a rank would move to has a measured slowdown
+    in this run that disagrees with the NCF's; when the predicted saving over the next (at most three) epochs is below ``payback`` times the
     restart cost; when the predicted gain is below ``min_gain`` or within ``noise_margin`` residual spreads
     (``max_noise`` stands in for the spread before any residual is measured, at the first boundary); or when
     the lines predicted for the ranks it let move erred, one epoch after each move, by more than
@@ -92,7 +92,7 @@ class GuardedRelocator:
             return (f"predicted gain {100 * gain:.1f}% within {self.noise_margin:g} residual spreads "
                     f"({100 * bound:.1f}%{', none measured yet: max_noise' if sigma is None else ''})")
         tol = math.log1p(auto.agreement)
-        for _, k in decision.moves:
+        for _, k in decision.moves if auto.measured_ratios else ():
             slot = free_slots[k]
             d, c = slot.get("device"), slot.get("corunner")
             m = auto.measured_ratio(workload, d, None, c)
