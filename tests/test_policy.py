@@ -245,3 +245,21 @@ def test_guard_vetoes_a_slot_whose_measured_slowdown_contradicts_the_ncf_only_wi
             assert moves == [] and "NCF slowdown 1.10 disagrees with the measured 3.00" in guarded.last_reason
         else:
             assert moves == [(1, 0)] and guarded.kept == 1
+
+
+def test_auto_corrects_a_change_the_ncf_cannot_predict_by_its_measured_ratio():
+    """A co-runner the NCF does not know beside the t4: the arrival is left as equal_finish sees it (nothing to
+    correct it by); once an epoch beside it was measured (1.2x), its departure is corrected by that ratio even
+    with ``measured_ratios=False``, the only evidence there is."""
+    auto = AutoAllocator(interference=TablePredictor({("v100", "video"): 1.4}))  # nothing for the t4
+    bounds = Bounds.uniform(4)
+    models = [FAST] * 3 + [SLOW]
+    first = auto.allocate(models, 256, bounds)
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    arrival = auto.allocate(models, 256, bounds, current=first)
+    assert auto.last_choice == "equal_finish" and arrival == first
+    measured = [FAST] * 3 + [_scaled(SLOW, 1.2)]
+    auto.set_context(devices=DEVICES, corunners=[None] * 3 + ["video"], next_corunners=[None] * 4)
+    departure = auto.allocate(measured, 256, bounds, current=arrival)
+    assert auto.last_choice == "ncf" and auto.sources == {"measured": 1, "ncf": 0}
+    assert departure == _exact(measured, [1.0, 1.0, 1.0, 1 / 1.2])

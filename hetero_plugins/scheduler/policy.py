@@ -242,7 +242,8 @@ class AutoAllocator(Allocator):
     - ``measured_ratios``: a change this run measured before (the ratio of a rank's fitted line after a co-runner
       change to its line before it, per device type, old and new co-runner) is corrected by the median measured
       ratio instead of the NCF's, and the guard vetoes moving to a slot whose measured slowdown disagrees with the
-      NCF. Off by default: those ratios are differences of fitted lines across a boundary, and on the family's
+      NCF. (A change the NCF has no prediction for, a co-runner name it does not know, is corrected by its
+      measured ratio either way: then it is the only evidence.) Off by default: those ratios are differences of fitted lines across a boundary, and on the family's
       validation split they erred far more than the NCF (truth 1.01, measured 0.50-1.72 on one cluster at 10%
       step noise), so substituting them cost 3% on average and up to 16% on a cluster (120 clusters, 3 seeds:
       ``auto`` 1.206x / 1.194x the best analytic allocator on the two halves with them and the split gate below,
@@ -276,7 +277,8 @@ class AutoAllocator(Allocator):
         reference: ``None``, or a second predictor (anything with ``predict(workload, device, corunner)``, or
             an ``InterferenceCorrection``) the NCF must agree with.
         measured_ratios: correct a change measured before in this run by the measured ratio, not the NCF's, and
-            veto moves to slots whose measured slowdown disagrees with the NCF (default ``False``, see above).
+            veto moves to slots whose measured slowdown disagrees with the NCF (default ``False``: only changes
+            the NCF cannot predict are corrected by their measured ratios; see above).
         gate_split: fall back to ``equal_finish`` for the split too when the NCF's track record or the residual
             spread fails (default ``False``, see above).
 
@@ -438,12 +440,14 @@ class AutoAllocator(Allocator):
                     f"max_ncf_error {100 * self.max_ncf_error:.0f}%")
         return ""
 
-    def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray) -> str:
+    def _gate(self, ctx: tuple[str, list[str], list[str | None], list[str | None]], factors: np.ndarray,
+              predicted: Sequence[float | None] | None = None) -> str:
         """Sets each changed rank's correction in ``factors`` (rank by rank) and returns ``""``, or the reason the
         whole decision falls back to ``equal_finish``.
 
         With ``measured_ratios``, a change this run measured before is corrected by the median measured ratio
-        (where the NCF disagrees with it the disagreement is logged). Otherwise the NCF's ratio is used when
+        (where the NCF disagrees with it the disagreement is logged); without, only a change the NCF has no
+        prediction for (``predicted[i] is None``: a device or co-runner it does not know) is. Otherwise the NCF's ratio is used when
         (with ``gate_split``) its track record passes, the ``reference`` agrees (where given) and
         ``trust_unverified`` allows an unchecked prediction; else the rank stays as ``equal_finish`` sees it
         (``partial=False``: the whole decision falls back). With ``gate_split`` a residual spread above
@@ -460,7 +464,8 @@ class AutoAllocator(Allocator):
             if c0 == c1:
                 continue
             q = float(factors[i])
-            m = self.measured_ratio(workload, d, c0, c1) if self.measured_ratios else None
+            unknown = predicted is not None and predicted[i] is None
+            m = self.measured_ratio(workload, d, c0, c1) if self.measured_ratios or unknown else None
             if m is not None:
                 if q != 1.0 and abs(math.log(q / m)) > tol:
                     self.disagreements += 1
@@ -517,7 +522,7 @@ class AutoAllocator(Allocator):
             reason, use = "no co-runner change", None
         else:
             factors = factors.copy()
-            reason = self._gate(ctx, factors)  # may reset unverified ranks to 1 (partial)
+            reason = self._gate(ctx, factors, ncf)  # may reset unverified ranks to 1 (partial)
             use = None if reason else factors
             self.choices["ncf" if use is not None else "equal_finish"] += 1
             if reason:
