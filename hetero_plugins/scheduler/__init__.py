@@ -4,9 +4,9 @@
   :class:`DQNAllocator` (``allocator="dqn"``) splits on the fitted lines corrected by stage 2 for announced
   co-runners, and the placement Q-network (``placement_policy.LearnedRelocator``) decides relocations (or,
   model-based, ``planning.PlanningRelocator``, which rolls the balancing planner forward on its own model);
-  :class:`AutoAllocator` (``allocator="auto"``, the default policy) corrects each changed rank by the ratio
-  the run measured, else by the NCF while its track record holds, and is ``equal_finish`` when the time models
-  are too noisy (its ``guard`` gates relocations the same way). Importing this
+  :class:`AutoAllocator` (``allocator="auto"``, the default policy) makes the same split (a co-runner the NCF
+  does not know is corrected by the ratio the run measured) and its ``guard`` keeps relocations only while the
+  NCF's track record holds and the time models are not too noisy. Importing this
   package registers both (``import hetero_plugins`` does), so every ``allocator=`` option takes them by name.
 - Stage 2 (IAWP): :class:`InterferencePredictor`, a NeuMF (He et al., WWW 2017) predicting co-runner
   slowdowns; :class:`Relocator` decides when moving ranks to free slots pays for a restart
