@@ -237,7 +237,7 @@ class AutoAllocator(Allocator):
     ``agreement`` or ``trust_unverified=False`` refuses a prediction nothing has checked; such a rank is left as
     ``equal_finish`` sees it (``partial=False``: the whole decision falls back).
 
-    Two more checks are off for the split by default and always on for relocations:
+    Two more checks are off by default (``gate_split``'s are always on for relocations):
 
     - ``measured_ratios``: a change this run measured before (the ratio of a rank's fitted line after a co-runner
       change to its line before it, per device type, old and new co-runner) is corrected by the median measured
