@@ -406,7 +406,7 @@ def table(res: dict[str, Any]) -> str:
                       "integrations' default), each policy against the best analytic allocator planned the same way:",
                   "", "| scenario | split | best analytic | auto | dqn |", "|---|---|---|---|---|"]
         lines += [f"| {r['scenario']} | {r['split']} | {r['replanned']['best_analytic']} | "
-                  f"{r['replanned']['vs_best_analytic']['auto']:.3f} | {r['replanned']['vs_best_analytic']['dqn']:.3f} |"
+                  + " | ".join(f"{r['replanned']['vs_best_analytic'][p]:.3f}" for p in REPLANNED) + " |"
                   for r in replanned]
     extra = res.get("placement_scenarios", [])
     if extra:

@@ -243,8 +243,8 @@ class AutoAllocator(Allocator):
       change to its line before it, per device type, old and new co-runner) is corrected by the median measured
       ratio instead of the NCF's, and the guard vetoes moving to a slot whose measured slowdown disagrees with the
       NCF. (A change the NCF has no prediction for, a co-runner name it does not know, is corrected by its
-      measured ratio either way: then it is the only evidence.) Off by default: those ratios are differences of fitted lines across a boundary, and on the family's
-      validation split they erred far more than the NCF (truth 1.01, measured 0.50-1.72 on one cluster at 10%
+      measured ratio either way: then it is the only evidence.) Off by default: those ratios are differences of
+      fitted lines across a boundary, and on the family's validation split they erred far more than the NCF (truth 1.01, measured 0.50-1.72 on one cluster at 10%
       step noise), so substituting them cost 3% on average and up to 16% on a cluster (120 clusters, 3 seeds:
       ``auto`` 1.206x / 1.194x the best analytic allocator on the two halves with them and the split gate below,
       1.245x / 1.235x without; worst 0.997x / 0.990x against 0.992x / 0.989x; re-planning every 5 steps, first
@@ -447,8 +447,8 @@ class AutoAllocator(Allocator):
 
         With ``measured_ratios``, a change this run measured before is corrected by the median measured ratio
         (where the NCF disagrees with it the disagreement is logged); without, only a change the NCF has no
-        prediction for (``predicted[i] is None``: a device or co-runner it does not know) is. Otherwise the NCF's ratio is used when
-        (with ``gate_split``) its track record passes, the ``reference`` agrees (where given) and
+        prediction for (``predicted[i] is None``: a device or co-runner it does not know) is. Otherwise the NCF's
+        ratio is used when (with ``gate_split``) its track record passes, the ``reference`` agrees (where given) and
         ``trust_unverified`` allows an unchecked prediction; else the rank stays as ``equal_finish`` sees it
         (``partial=False``: the whole decision falls back). With ``gate_split`` a residual spread above
         ``max_noise`` makes the whole decision fall back."""
