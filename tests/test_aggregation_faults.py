@@ -40,7 +40,7 @@ pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "frozen_rank.py"
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 10.0  # the strategy's timeout in the frozen-rank jobs
+TIMEOUT = 6.0  # the strategy's timeout in the frozen-rank jobs
 
 
 def _free_port() -> int:

@@ -353,3 +353,37 @@ def test_the_scheduler_benchmark_measures_auto_and_dqn_re_planning_within_epochs
     assert auto["ok"] is False and "min 0.980 (b)" in auto["figures"] and dqn["ok"] is True
     with pytest.raises(SystemExit):
         mod.main(["--replan-every", "-1"])
+
+
+def test_adapt_asks_later_moves_to_beat_the_shortfall_of_the_last():
+    """adapt: after a move, the gain the fitted lines show over the places left is compared with the gain the move
+    was priced at; the shortfall (smoothed, never below 0) is taken off every later candidate's value over
+    ``adapt_span`` epochs and added to the greedy rule's predicted step, so a move that disappointed stops the
+    next ones the greedy rule or the network would take. Off (the former behaviour), the shortfall is kept but
+    changes nothing."""
+    rel = LearnedRelocator(_eager(bias=-5.0), online=False, restart_cost=0.0)
+    assert rel.adapt  # the default
+    _move_then_observe(rel, observed_slope=0.0012)  # one epoch later the moved rank is as slow as before
+    assert 0.1 < rel.shortfall < 0.5
+    kw = dict(devices=["v100", "t4"], corunners=[None, None], next_corunners=[None, "video"],
+              lines=[(0.005, 0.0005), (0.006, 0.0012)], free_slots=[{"device": "v100"}], global_batch=512,
+              steps_per_epoch=20, epochs_left=5)
+    plain = LearnedRelocator(_eager(bias=-5.0), online=False, adapt=False, restart_cost=0.0)
+    _move_then_observe(plain, observed_slope=0.0012)
+    assert plain.shortfall == rel.shortfall
+    plain.shortfall = rel.shortfall = 0.4  # moves that kept falling short (the move below is priced at 38%)
+    assert plain.propose(**kw).moves == [(1, 0)]  # the greedy rule fires without adapt
+    assert rel.propose(**kw).moves == []  # with the shortfall on top, the same move no longer pays
+    rel.shortfall = 0.3
+    assert rel.propose(**kw).moves == [(1, 0)]
+    keen = LearnedRelocator(_eager(bias=1.0), online=False, adapt=True, keep_greedy=False, restart_cost=0.0)
+    assert keen.propose(**kw).moves == [(1, 0)]  # the network's own move (value 1 epoch > margin 0.5)
+    keen.shortfall = 0.2  # 0.2 x 4 epochs off every value: below the margin
+    assert keen.propose(**kw).moves == []
+    _move_then_observe(good := LearnedRelocator(_eager(bias=-5.0), online=False, adapt=True, restart_cost=0.0),
+                       observed_slope=0.0001)  # the move beat its price: no licence earned
+    assert good.shortfall == 0.0
+    with pytest.raises(ValueError, match="`adapt` must be True or False, got 'yes'"):
+        LearnedRelocator(adapt="yes")
+    with pytest.raises(ValueError, match="adapt_span"):
+        LearnedRelocator(adapt_span=0)

@@ -132,7 +132,7 @@ def _episode(scenario: Mapping[str, Any], net: PlacementNetwork, seed: int, expl
     sc = load_scenario(dict(scenario))
     truth = _Truth(sc, seed) if returns == "lines" else None
     rel = LearnedRelocator(net, predictor=predictor, workload=sc.workload, restart_cost=sc.restart_cost, gamma=gamma,
-                           online=online, seed=seed)
+                           online=online, adapt=False, seed=seed)  # the shipped network's collection, unchanged
     rel.explore = explore
     xs: list[np.ndarray] = []
     ys: list[float] = []

@@ -22,7 +22,7 @@ from tests.horovod.conftest import SCRIPTS, run_job
 
 pytestmark = pytest.mark.horovod
 
-TIMEOUT = 10  # HETERO_PLUGINS_TIMEOUT and HOROVOD_GLOO_TIMEOUT_SECONDS in the freeze jobs
+TIMEOUT = 6  # HETERO_PLUGINS_TIMEOUT and HOROVOD_GLOO_TIMEOUT_SECONDS in the freeze jobs
 
 
 def test_ranks_that_disagree_on_the_sampler_all_raise_naming_the_rank_and_the_argument(horovod_available, tmp_path):
