@@ -32,7 +32,7 @@ pytestmark = pytest.mark.distributed
 )
 def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation, where):
     out = tmp_path / "out.pt"
-    cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--epochs", "3", "--out", str(out),
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--epochs", "2", "--out", str(out),
            "--aggregation", aggregation, *where] + (["--callback"] if callback else [])
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -42,7 +42,7 @@ def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callb
     assert summary["devices"] == 2 and summary["speeds"] == [1.0, 0.25]
     result = torch.load(out, weights_only=False)
     hist = result["plan_history"]
-    assert len(hist) == 3 and hist[-1]["batch_sizes"][1] < hist[-1]["batch_sizes"][0]  # rank 1 is 4x slower
+    assert len(hist) == 2 and hist[-1]["batch_sizes"][1] < hist[-1]["batch_sizes"][0]  # rank 1 is 4x slower
     model = DigitsCNN()
     model.load_state_dict(result["state_dict"])
     _, val = digits_datasets()
