@@ -144,7 +144,8 @@ class PlanningRelocator(Relocator):
             seeds; against greedy / against none / worst): rollouts 1.018 / 1.088 / 0.908 without, **1.022 /
             1.092 / 0.973** with; with the critic of sessions 10-14 1.025 / 1.096 / 0.996 without, 1.024 / 1.094 /
             0.996 with (its training already priced the caution in); the shipped critic (returns averaged over
-            three forks) 1.028 / 1.099 / 0.999 without.
+            three forks) 1.028 / 1.099 / 0.999 without; session 19, first 60 clusters (46 with churn and slots):
+            1.033 / 1.101 / 0.994 without, 1.033 / 1.102 / 0.970 with (9 clusters changed, 0.973x-1.068x).
         tail: besides the ``horizon`` epochs played, count the last played epoch's saving once for each epoch
             the run has left after them, discounted by ``tail`` per epoch (:func:`tail_weight`; 0, the default,
             counts the played epochs only). A move whose gain shows only from the planner's third epoch on is
