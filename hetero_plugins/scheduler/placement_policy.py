@@ -170,8 +170,8 @@ class LearnedRelocator(Relocator):
             (default 0.5, chosen on the validation split: with 0 the network's extra moves lost 0.5% against the
             greedy rule's there; at 0.5 and 1.5 it moves where that rule does, and rarely more).
         other_margin: how much more than the greedy placement another candidate must be worth to be chosen
-            instead (a large value such as ``1e9``: choose only between stay and the greedy placement; chosen on validation
-            scenarios).
+            instead (a large value such as ``1e9``: choose only between stay and the greedy placement; chosen on
+            validation scenarios).
         keep_greedy: when the greedy Relocator's own rule would move (gain of at least ``greedy_min_gain`` paid
             back over ``greedy_horizon`` epochs), take the greedy placement whatever the network says; the
             network then decides the moves the myopic rule misses (chosen on validation scenarios).
@@ -228,7 +228,8 @@ class LearnedRelocator(Relocator):
         self.net = model.copy() if isinstance(model, PlacementNetwork) else PlacementNetwork.load(model)
         self.gamma = check_float("gamma", gamma, minimum=0.0, maximum=1.0, hint="e.g. 0.98")
         self.margin = check_float("margin", margin, hint="e.g. 0.0")
-        self.other_margin = check_float("other_margin", other_margin, minimum=0.0, hint="e.g. 0.1, or 1e9 for stay-or-greedy only")
+        self.other_margin = check_float("other_margin", other_margin, minimum=0.0,
+                                        hint="e.g. 0.1, or 1e9 for stay-or-greedy only")
         self.online = bool(online)
         self.keep_greedy = bool(keep_greedy)
         self.greedy_min_gain = check_float("greedy_min_gain", greedy_min_gain, minimum=0.0, hint="e.g. 0.05")

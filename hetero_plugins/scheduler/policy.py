@@ -239,16 +239,16 @@ class AutoAllocator(Allocator):
 
     Two more checks are off by default (``gate_split``'s are always on for relocations):
 
-    - ``measured_ratios``: a change this run measured before (the ratio of a rank's fitted line after a co-runner
-      change to its line before it, per device type, old and new co-runner) is corrected by the median measured
-      ratio instead of the NCF's, and the guard vetoes moving to a slot whose measured slowdown disagrees with the
-      NCF. (A change the NCF has no prediction for, a co-runner name it does not know, is corrected by its
-      measured ratio either way: then it is the only evidence.) Off by default: those ratios are differences of
-      fitted lines across a boundary, and on the family's validation split they erred far more than the NCF (truth 1.01, measured 0.50-1.72 on one cluster at 10%
-      step noise), so substituting them cost 3% on average and up to 16% on a cluster (120 clusters, 3 seeds:
-      ``auto`` 1.206x / 1.194x the best analytic allocator on the two halves with them and the split gate below,
-      1.245x / 1.235x without; worst 0.997x / 0.990x against 0.992x / 0.989x; re-planning every 5 steps, first
-      30 clusters, 1.179x -> 1.205x ``equal_finish``, worst 1.023x -> 1.018x).
+    - ``measured_ratios``: a change this run measured before (the ratio of a rank's fitted line after a co-runner change
+      to its line before it, per device type, old and new co-runner) is corrected by the median measured ratio instead
+      of the NCF's, and the guard vetoes moving to a slot whose measured slowdown disagrees with the NCF. (A change the
+      NCF has no prediction for, a co-runner name it does not know, is corrected by its measured ratio either way: then
+      it is the only evidence.) Off by default: those ratios are differences of fitted lines across a boundary, and on
+      the family's validation split they erred far more than the NCF (truth 1.01, measured 0.50-1.72 on one cluster at
+      10% step noise), so substituting them cost 3% on average and up to 16% on a cluster (120 clusters, 3 seeds:
+      ``auto`` 1.206x / 1.194x the best analytic allocator on the two halves with them and the split gate below, 1.245x
+      / 1.235x without; worst 0.997x / 0.990x against 0.992x / 0.989x; re-planning every 5 steps, first 30 clusters,
+      1.179x -> 1.205x ``equal_finish``, worst 1.023x -> 1.018x).
     - ``gate_split``: the whole decision falls back to ``equal_finish`` when the NCF's *track record* fails (every
       measured change also scores the NCF's prediction of it; once ``min_record`` changes are scored, their median
       relative error must be at most ``max_ncf_error``) or the fitted lines of ranks whose co-runner did not
@@ -469,8 +469,8 @@ class AutoAllocator(Allocator):
             if m is not None:
                 if q != 1.0 and abs(math.log(q / m)) > tol:
                     self.disagreements += 1
-                    log.info("auto allocator: NCF ratio %.2f disagrees with the measured %.2f on rank %d (%s, %s -> %s);"
-                             " the measured one is used", q, m, i, d, c0, c1)
+                    log.info("auto allocator: NCF ratio %.2f disagrees with the measured %.2f on rank %d "
+                             "(%s, %s -> %s); the measured one is used", q, m, i, d, c0, c1)
                 factors[i] = m
                 self.sources["measured"] += 1
                 continue
