@@ -20,7 +20,7 @@ from hetero_plugins.scheduler.placement import best_placement
 from hetero_plugins.scheduler.relocation import Relocation
 
 __all__ = ["candidate_actions", "candidate_decision", "free_homes", "move_record", "placement_step_time",
-           "places_after", "realised_gain", "slot_places"]
+           "places_after", "realised_gain", "slot_places", "smoothed_shortfall"]
 
 
 def placement_step_time(lines: Sequence[Mapping[str, float]], global_batch: int) -> float:
@@ -139,3 +139,10 @@ def realised_gain(last: Mapping[str, Any], now: Sequence[Mapping[str, float]], g
         return None
     stay = [last["stay"][i] if i in last["moves"] else now[i] for i in range(len(now))]
     return 1.0 - placement_step_time(now, global_batch) / placement_step_time(stay, global_batch)
+
+
+def smoothed_shortfall(shortfall: float, last: Mapping[str, Any], observed: float) -> float:
+    """The relocators' online caution (``adapt``): the running shortfall ``shortfall`` updated with how much less
+    the move :func:`move_record` recorded gained (``observed``, :func:`realised_gain`) than it was priced at,
+    smoothed by halves and never below 0 (a move that beat its price earns no licence)."""
+    return 0.5 * shortfall + 0.5 * max(last["predicted"] - observed, 0.0)

@@ -71,6 +71,7 @@ from hetero_plugins.scheduler.candidates import (
     places_after,
     realised_gain,
     slot_places,
+    smoothed_shortfall,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 
@@ -273,7 +274,7 @@ class LearnedRelocator(Relocator):
             return
         error = observed - last["predicted"]
         self.residual = 0.7 * self.residual + 0.3 * min(abs(error), 1.0)
-        self.shortfall = 0.5 * self.shortfall + 0.5 * max(-error, 0.0)
+        self.shortfall = smoothed_shortfall(self.shortfall, last, observed)
         if not self.online:
             return
         d = sum(self.gamma ** k for k in range(max(1, last["epochs_left"])))

@@ -37,6 +37,7 @@ from hetero_plugins.scheduler.candidates import (
     places_after,
     realised_gain,
     slot_places,
+    smoothed_shortfall,
 )
 from hetero_plugins.scheduler.relocation import Relocation, Relocator
 from hetero_plugins.scheduler.rollout_correction import RolloutCorrection, rollout_features
@@ -289,7 +290,7 @@ class PlanningRelocator(Relocator):
         last, self._last = self._last, None
         observed = None if last is None else realised_gain(last, own, global_batch, places)
         if observed is not None:
-            self.shortfall = 0.5 * self.shortfall + 0.5 * max(last["predicted"] - observed, 0.0)
+            self.shortfall = smoothed_shortfall(self.shortfall, last, observed)
 
     def rollout_values(self, planner: Any, keep: Sequence[tuple[float, float]], data: np.ndarray,
                        cands: Sequence[Mapping[str, Any]], incoming: Sequence[Mapping[str, Any]], steps: int,
