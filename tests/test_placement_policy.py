@@ -380,8 +380,8 @@ def test_adapt_asks_later_moves_to_beat_the_shortfall_of_the_last():
     assert keen.propose(**kw).moves == [(1, 0)]  # the network's own move (value 1 epoch > margin 0.5)
     keen.shortfall = 0.2  # 0.2 x 4 epochs off every value: below the margin
     assert keen.propose(**kw).moves == []
-    _move_then_observe(good := LearnedRelocator(_eager(bias=-5.0), online=False, adapt=True, restart_cost=0.0),
-                       observed_slope=0.0001)  # the move beat its price: no licence earned
+    good = LearnedRelocator(_eager(bias=-5.0), online=False, adapt=True, restart_cost=0.0)
+    _move_then_observe(good, observed_slope=0.0001)  # the move beat its price: no licence earned
     assert good.shortfall == 0.0
     with pytest.raises(ValueError, match="`adapt` must be True or False, got 'yes'"):
         LearnedRelocator(adapt="yes")
