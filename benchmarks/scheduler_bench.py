@@ -16,6 +16,10 @@ Targets (each verdict is computed from the figures, never written by hand):
 - transfer of the placement network: within 2% of scratch's final quality with <= 25% of its samples;
 - ``auto`` decides in <= 10 ms at 1024 ranks (one core, a co-runner change on a tenth of the ranks).
 
+The ``auto`` and ``dqn`` floors are also measured on clusters of a family nothing was trained or chosen on
+(``--unseen-family``, default ``"shifted"``: other device kinds, CPU-like ones among them, another interference
+table; its test split's first ``--unseen-count`` (20) seeds), against the best analytic allocator there.
+
 The ``auto`` and ``dqn`` rows are measured twice: re-planning at epoch ends only, and re-planning every
 ``--replan-every`` steps within epochs as well (default 5, the integrations' ``BalancingOptions.replan_every``
 default), each against the best analytic allocator planned the same way.
@@ -64,7 +68,7 @@ from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
 from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, load_scenario
 from hetero_plugins.scheduler.sim.evaluate import best_analytic, evaluate
-from hetero_plugins.scheduler.sim.family import family_scenarios, generate_scenario
+from hetero_plugins.scheduler.sim.family import FAMILIES, family_scenarios, generate_scenario
 from hetero_plugins.scheduler.transfer import transfer_placement
 
 START, END = "<!-- scheduler-bench:start -->", "<!-- scheduler-bench:end -->"
@@ -145,6 +149,23 @@ def run_replanned(sc: Any, comp: Components, seeds: list[int], every: int) -> di
     return {"every": every, "samples_per_s": mean, "best_analytic": best,
             "vs_best_analytic": {p: mean[p] / mean[best] for p in REPLANNED},
             "per_seed": {r["policy"]: r["per_seed"] for r in rows}}
+
+
+def run_unseen(spec: dict[str, Any], comp: Components, seeds: list[int], label: str,
+               replan_every: int | None = None) -> dict[str, Any]:
+    """A cluster of the unseen family: ``auto`` and ``dqn`` against the best analytic allocator (and again
+    re-planning every ``replan_every`` steps)."""
+    sc = load_scenario(spec)
+    pols = policies(comp, {"auto": [], "guard": []})
+    rows = evaluate([sc], {k: pols[k] for k in (*ANALYTIC, *REPLANNED)}, seeds)
+    best = best_analytic([sc], seeds, rows=rows)[sc.name]["policy"]
+    mean = {r["policy"]: r["steady_samples_per_s"] for r in rows}
+    row: dict[str, Any] = {"scenario": sc.name, "split": label, "world_size": sc.world_size, "samples_per_s": mean,
+                           "best_analytic": best, "vs_best_analytic": {p: mean[p] / mean[best] for p in REPLANNED},
+                           "per_seed": {r["policy"]: r["per_seed"] for r in rows}}
+    if replan_every:
+        row["replanned"] = run_replanned(sc, comp, seeds, replan_every)
+    return row
 
 
 def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split: str,
@@ -281,7 +302,9 @@ def _mark(ok: bool | None) -> str:
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = res["scenarios"]
+    unseen = res.get("unseen") or {}
+    rows = res["scenarios"] + list(unseen.get("scenarios", []))
+    splits = ("test", "built-in", *([unseen["label"]] if unseen.get("scenarios") else []))
     out: list[dict[str, Any]] = []
     every = res.get("replan_every")
     plannings = [("", "vs_best_analytic", lambda r: r)]  # (label, ratios' key, where the ratios sit in a row)
@@ -290,7 +313,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                           lambda r: r["replanned"]))
     for label, key, ratios in plannings:
         for pol, goal in (("auto", 0.99), ("dqn", 0.97)):
-            for split in ("test", "built-in"):
+            for split in splits:
                 rs = [r for r in rows if r["split"] == split and key in r]
                 if not rs:
                     if not label:
@@ -408,6 +431,21 @@ def table(res: dict[str, Any]) -> str:
         lines += [f"| {r['scenario']} | {r['split']} | {r['replanned']['best_analytic']} | "
                   + " | ".join(f"{r['replanned']['vs_best_analytic'][p]:.3f}" for p in REPLANNED) + " |"
                   for r in replanned]
+    unseen = res.get("unseen") or {}
+    if unseen.get("scenarios"):
+        every = res.get("replan_every")
+        lines += ["", f"Clusters of a family nothing was trained or chosen on ({unseen['label']}: {unseen['note']}); "
+                      "`auto` and `dqn` against the best analytic allocator there"
+                      + (f", at epoch ends and re-planning every {every} steps" if every else "") + ":", "",
+                  "| scenario | ranks | best analytic | auto | dqn |" + (" re-planned: best analytic | auto | dqn |"
+                                                                          if every else ""),
+                  "|---" * (8 if every else 5) + "|"]
+        for r in unseen["scenarios"]:
+            v, rp = r["vs_best_analytic"], r.get("replanned")
+            lines.append(f"| {r['scenario']} | {r['world_size']} | {r['best_analytic']} | {v['auto']:.3f} | "
+                         f"{v['dqn']:.3f} |" + ("" if not rp else f" {rp['best_analytic']} | "
+                                                f"{rp['vs_best_analytic']['auto']:.3f} | "
+                                                f"{rp['vs_best_analytic']['dqn']:.3f} |"))
     extra = res.get("placement_scenarios", [])
     if extra:
         lines += ["", f"Placement only: the test split's other scenarios with churn and free slots among its first "
@@ -459,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replan-every", type=int, default=DEFAULT_REPLAN,
                         help="also measure auto and dqn re-planning every this many steps within epochs (default: "
                              "the integrations' BalancingOptions.replan_every, 5); 0: epoch ends only")
+    parser.add_argument("--unseen-family", default="shifted",
+                        help="a scenario family nothing was trained or chosen on, whose test split also measures the "
+                             "auto and dqn floors (default 'shifted'; 'none': skip)")
+    parser.add_argument("--unseen-count", type=int, default=None,
+                        help="its test-split scenarios (default 20; --quick: 2)")
     parser.add_argument("--skip-transfer", action="store_true", help="leave the transfer curves out (the slowest part)")
     parser.add_argument("--table", default=None,
                         help="a measured interference table (JSON) to draw the family's interference from "
@@ -472,6 +515,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.replan_every < 0:
         parser.error(f"--replan-every must be >= 0, got {args.replan_every}. HINT: e.g. --replan-every 5, or 0 to "
                      "re-plan at epoch ends only")
+    unseen_count = args.unseen_count if args.unseen_count is not None else (2 if args.quick else 20)
+    if unseen_count < 0:
+        parser.error(f"--unseen-count must be >= 0, got {unseen_count}. HINT: e.g. --unseen-count 20")
+    if args.unseen_family not in (*FAMILIES, "none"):
+        parser.error(f"--unseen-family must be one of {(*FAMILIES, 'none')}, got {args.unseen_family!r}. HINT: e.g. "
+                     "--unseen-family shifted")
+    if args.unseen_family == "default":
+        parser.error("--unseen-family 'default' is the family everything was trained and chosen on. HINT: use "
+                     "'shifted', or 'none' to skip")
     placement = args.placement_count if args.placement_count is not None else (count if args.quick else 100)
     if placement < count:
         parser.error(f"--placement-count must be >= --test-count ({count}), got {placement}. HINT: e.g. "
@@ -509,6 +561,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"placement {k + 1}/{len(extra)} {row['scenario']}: learned/none {row['learned_vs_none']:.3f}, "
                       f"planned/none {row['planned_vs_none']:.3f}, greedy/none {row['greedy_vs_none']:.3f} "
                       f"[{time.perf_counter() - t1:.0f} s]", flush=True)
+        if args.unseen_family != "none" and unseen_count:
+            label = f"unseen {args.unseen_family}-family test"
+            res["unseen"] = {"family": args.unseen_family, "label": label, "scenarios": [],
+                             "note": f"family {args.unseen_family!r}, test split, first {unseen_count} seeds"}
+            for spec in family_scenarios("test", unseen_count, family=args.unseen_family):
+                t1 = time.perf_counter()
+                row = run_unseen(spec, comp, seeds, label, args.replan_every or None)
+                res["unseen"]["scenarios"].append(row)
+                rv = row.get("replanned", {}).get("vs_best_analytic")
+                print(f"{row['scenario']} ({label}, {row['world_size']} ranks): auto "
+                      f"{row['vs_best_analytic']['auto']:.3f}, dqn {row['vs_best_analytic']['dqn']:.3f}"
+                      + ("" if rv is None else f", re-planned auto {rv['auto']:.3f}, dqn {rv['dqn']:.3f}")
+                      + f" [{time.perf_counter() - t1:.0f} s]", flush=True)
     res["latency_1024_ranks"] = decision_latency(comp)
     res["ncf_leave_pairs_out"] = ncf_leave_pairs_out(args.quick)
     res["transfer"] = {"skipped": "not run (--skip-transfer)"} if args.skip_transfer else transfer_result(args.quick)
@@ -520,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         (f" --test-count {args.test_count}" if args.test_count is not None else "") + \
         (f" --placement-count {args.placement_count}" if args.placement_count is not None else "") + \
         (f" --replan-every {args.replan_every}" if args.replan_every != DEFAULT_REPLAN else "") + \
+        (f" --unseen-family {args.unseen_family}" if args.unseen_family != "shifted" else "") + \
+        (f" --unseen-count {args.unseen_count}" if args.unseen_count is not None else "") + \
         (" --skip-transfer" if args.skip_transfer else "") + (" --table TABLE" if args.table else "")
     if res["command"] == "python benchmarks/scheduler_bench.py":
         res["command"] = "make bench-scheduler"

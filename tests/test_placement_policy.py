@@ -355,6 +355,53 @@ def test_the_scheduler_benchmark_measures_auto_and_dqn_re_planning_within_epochs
         mod.main(["--replan-every", "-1"])
 
 
+def test_the_scheduler_benchmark_measures_the_floors_on_a_family_nothing_was_trained_on():
+    """``benchmarks/scheduler_bench.py``: ``--unseen-family`` clusters run ``auto`` and ``dqn`` beside the analytic
+    allocators, at epoch ends and re-planning within epochs, each against the best analytic allocator of the same
+    planning; their floors are targets of their own and their rows a table of their own; the family everything
+    was trained on is refused by name."""
+    import importlib.util
+    from pathlib import Path
+
+    from hetero_plugins.scheduler.sim.family import family_scenarios
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
+    spec = importlib.util.spec_from_file_location("scheduler_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cluster = min(family_scenarios("test", 6, family="shifted"), key=lambda s: len(s["ranks"]))
+    label = "unseen shifted-family test"
+    row = mod.run_unseen(cluster, mod.Components(), [0], label, 3)
+    mean = row["samples_per_s"]
+    assert set(mean) == {*mod.ANALYTIC, "auto", "dqn"} and row["split"] == label
+    assert mean[row["best_analytic"]] == max(mean[a] for a in mod.ANALYTIC)
+    assert row["vs_best_analytic"]["dqn"] == pytest.approx(mean["dqn"] / mean[row["best_analytic"]])
+    assert row["replanned"]["every"] == 3 and set(row["replanned"]["vs_best_analytic"]) == {"auto", "dqn"}
+
+    low = {"scenario": "low", "split": label, "world_size": 4, "best_analytic": "lbb",
+           "vs_best_analytic": {"auto": 0.98, "dqn": 0.98}}
+    res = {"scenarios": [], "placement_scenarios": [], "placement_count": 0, "replan_every": 3, "seeds": [0],
+           "unseen": {"family": "shifted", "label": label, "note": "test", "scenarios": [row, low]},
+           "scenario_note": "test", "ncf_source": "test", "machine": {"processor": "x", "python": "3"},
+           "bench_seconds": 1.0, "command": "test",
+           "ncf_leave_pairs_out": {"ncf_mean_rel_error": 0.05, "additive_mean_rel_error": 0.2},
+           "transfer": {"skipped": "test"},
+           "latency_1024_ranks": {"world_size": 1024,
+                                  **{a: {"median_ms": 1.0} for a in ("equal_finish", "dqn", "auto")}}}
+    res["targets"] = mod.targets(res)
+    rows = {t["target"]: t for t in res["targets"]}
+    auto = rows[f"auto vs best analytic, every {label} scenario (2)"]
+    dqn = rows[f"dqn vs best analytic, every {label} scenario (2)"]
+    assert auto["ok"] is False and "(low)" in auto["figures"] and "below goal on 1" in auto["figures"]
+    assert dqn["ok"] is True  # 0.98 >= 0.97
+    replanned = rows[f"auto vs best analytic, re-planning every 3 steps (the integrations' default), every {label} "
+                     "scenario (1)"]  # the row without a re-planned run is left out there
+    assert replanned["figures"].startswith(f"min {row['replanned']['vs_best_analytic']['auto']:.3f}")
+    assert f"| {cluster['name']} | {len(cluster['ranks'])} | {row['best_analytic']} |" in mod.table(res)
+    with pytest.raises(SystemExit):
+        mod.main(["--unseen-family", "default"])
+
+
 def test_adapt_asks_later_moves_to_beat_the_shortfall_of_the_last():
     """adapt: after a move, the gain the fitted lines show over the places left is compared with the gain the move
     was priced at; the shortfall (smoothed, never below 0) is taken off every later candidate's value over
