@@ -24,7 +24,7 @@ def main() -> None:
         accelerator="cpu", devices=1, num_nodes=2, strategy="hetero_ddp", max_epochs=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, default_root_dir=out,
-        callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002), Report(out)],
+        callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.005), Report(out)],
     )
     trainer.fit(StepLogMLP(out, batch_size=16))
 
