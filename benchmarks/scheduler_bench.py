@@ -140,8 +140,9 @@ def policies(comp: Components, record: dict[str, list[Any]]) -> dict[str, tuple[
     return out
 
 
-def run_replanned(sc: Any, comp: Components, seeds: list[int], every: int) -> dict[str, Any]:
-    """``auto`` and ``dqn`` against the best analytic allocator, all re-planning every ``every`` steps."""
+def run_floors(sc: Any, comp: Components, seeds: list[int], every: int | None) -> dict[str, Any]:
+    """``auto`` and ``dqn`` against the best analytic allocator, all re-planning every ``every`` steps (``None``: at
+    epoch ends only)."""
     pols = policies(comp, {"auto": [], "guard": []})
     rows = evaluate([sc], {k: pols[k] for k in (*ANALYTIC, *REPLANNED)}, seeds, replan_every=every)
     best = best_analytic([sc], seeds, rows=rows, replan_every=every)[sc.name]["policy"]
@@ -156,15 +157,11 @@ def run_unseen(spec: dict[str, Any], comp: Components, seeds: list[int], label: 
     """A cluster of the unseen family: ``auto`` and ``dqn`` against the best analytic allocator (and again
     re-planning every ``replan_every`` steps)."""
     sc = load_scenario(spec)
-    pols = policies(comp, {"auto": [], "guard": []})
-    rows = evaluate([sc], {k: pols[k] for k in (*ANALYTIC, *REPLANNED)}, seeds)
-    best = best_analytic([sc], seeds, rows=rows)[sc.name]["policy"]
-    mean = {r["policy"]: r["steady_samples_per_s"] for r in rows}
-    row: dict[str, Any] = {"scenario": sc.name, "split": label, "world_size": sc.world_size, "samples_per_s": mean,
-                           "best_analytic": best, "vs_best_analytic": {p: mean[p] / mean[best] for p in REPLANNED},
-                           "per_seed": {r["policy"]: r["per_seed"] for r in rows}}
+    ends = run_floors(sc, comp, seeds, None)
+    row: dict[str, Any] = {"scenario": sc.name, "split": label, "world_size": sc.world_size,
+                           **{k: ends[k] for k in ("samples_per_s", "best_analytic", "vs_best_analytic", "per_seed")}}
     if replan_every:
-        row["replanned"] = run_replanned(sc, comp, seeds, replan_every)
+        row["replanned"] = run_floors(sc, comp, seeds, replan_every)
     return row
 
 
@@ -193,7 +190,7 @@ def run_scenario(spec: dict[str, Any], comp: Components, seeds: list[int], split
     }
     row.update(placement_ratios(mean))
     if replan_every:
-        row["replanned"] = run_replanned(sc, comp, seeds, replan_every)
+        row["replanned"] = run_floors(sc, comp, seeds, replan_every)
     return row
 
 

@@ -331,7 +331,7 @@ def test_the_scheduler_benchmark_measures_auto_and_dqn_re_planning_within_epochs
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     cluster = min(family_scenarios("test", 8), key=lambda s: len(s["ranks"]))
-    rep = mod.run_replanned(load_scenario(cluster), mod.Components(), [0], 3)
+    rep = mod.run_floors(load_scenario(cluster), mod.Components(), [0], 3)
     mean = rep["samples_per_s"]
     assert rep["every"] == 3 and set(mean) == {*mod.ANALYTIC, "auto", "dqn"}
     assert mean[rep["best_analytic"]] == max(mean[a] for a in mod.ANALYTIC)
