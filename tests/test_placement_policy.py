@@ -254,17 +254,23 @@ def test_keep_greedy_takes_the_greedy_move_unless_the_network_vetoes_it():
         LearnedRelocator(restart_cost=0.0, veto=-1.0)
 
 
+def _benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (the benchmarks folder is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_the_placement_ceiling_benchmark_runs_its_rollout_choosers(tmp_path):
     """``benchmarks/placement_ceiling.py`` on the first validation cluster with churn and free slots: every
     policy runs, the JSON holds the rows and the summary, and choosing each boundary's move by its realised
     return (the clairvoyant rollout chooser) does better than staying and than the greedy rule there."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "placement_ceiling.py"
-    spec = importlib.util.spec_from_file_location("placement_ceiling", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("placement_ceiling")
     out = tmp_path / "ceiling.json"
     result = mod.main(["--split", "val", "--count", "2", "--horizon", "3", "--noise-draws", "1", "--out", str(out)])
     saved = json.loads(out.read_text())
@@ -281,15 +287,9 @@ def test_the_scheduler_benchmark_averages_placement_over_its_placement_only_clus
     alone, its ratios are its policies' throughputs over ``equal_finish`` and the greedy rule's, and the placement
     targets average over those clusters and the full rows' clusters with churn and slots (never the others); a
     placement count below the test count is refused by name."""
-    import importlib.util
-    from pathlib import Path
-
     from hetero_plugins.scheduler.sim.family import family_scenarios
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
-    spec = importlib.util.spec_from_file_location("scheduler_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("scheduler_bench")
     cluster = min((s for s in family_scenarios("test", 8) if mod.has_churn_and_slots(s)),
                   key=lambda s: len(s["ranks"]))
     row = mod.run_placement(cluster, mod.Components(), [0])
@@ -320,16 +320,10 @@ def test_the_scheduler_benchmark_measures_auto_and_dqn_re_planning_within_epochs
     """``benchmarks/scheduler_bench.py``: with ``--replan-every`` the ``auto`` and ``dqn`` rows are measured again
     re-planning within epochs, against the best analytic allocator planned the same way, and get their own
     targets; a negative count is refused by name."""
-    import importlib.util
-    from pathlib import Path
-
     from hetero_plugins.scheduler.sim import load_scenario
     from hetero_plugins.scheduler.sim.family import family_scenarios
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
-    spec = importlib.util.spec_from_file_location("scheduler_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("scheduler_bench")
     cluster = min(family_scenarios("test", 8), key=lambda s: len(s["ranks"]))
     rep = mod.run_floors(load_scenario(cluster), mod.Components(), [0], 3)
     mean = rep["samples_per_s"]
@@ -360,15 +354,9 @@ def test_the_scheduler_benchmark_measures_the_floors_on_a_family_nothing_was_tra
     allocators, at epoch ends and re-planning within epochs, each against the best analytic allocator of the same
     planning; their floors are targets of their own and their rows a table of their own; the family everything
     was trained on is refused by name."""
-    import importlib.util
-    from pathlib import Path
-
     from hetero_plugins.scheduler.sim.family import family_scenarios
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_bench.py"
-    spec = importlib.util.spec_from_file_location("scheduler_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("scheduler_bench")
     cluster = min(family_scenarios("test", 6, family="shifted"), key=lambda s: len(s["ranks"]))
     label = "unseen shifted-family test"
     row = mod.run_unseen(cluster, mod.Components(), [0], label, 3)
