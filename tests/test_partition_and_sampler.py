@@ -133,3 +133,36 @@ def test_mid_epoch_plan_change_keeps_every_sample_once_and_the_step_unions():
         samplers[0].set_plan([1, 1, 1, 1], from_step=3)
     with pytest.raises(ValueError, match="locality=False"):
         HeteroBatchSampler(n, plan, 0, locality=True).set_plan(new, from_step=3)
+
+
+def test_the_last_step_gives_every_rank_one_sample_and_at_most_its_plan():
+    """Over every remainder of every plan of 2-4 ranks with batches 1-6, the last step's shares sum to the
+    remainder, each between 1 and the rank's planned batch (a rank capped for memory is never handed more)."""
+    from hetero_plugins.balancing.partition import split_remainder
+
+    for w in (2, 3, 4):
+        for plan in itertools.product(range(1, 7), repeat=w):
+            for rem in range(w, sum(plan)):
+                out = split_remainder(rem, plan)
+                assert sum(out) == rem and all(1 <= c <= b for c, b in zip(out, plan)), (rem, plan, out)
+    assert split_remainder(3, [1, 1, 4]) == [1, 1, 1]  # formerly [0, 1, 2]: an empty batch on rank 0
+    assert split_remainder(14, [1, 8, 8, 8]) == [1, 5, 4, 4]  # formerly [2, 4, 4, 4]: twice rank 0's plan
+    with pytest.raises(ValueError, match="each of 3 ranks"):
+        split_remainder(2, [1, 1, 4])
+
+
+@pytest.mark.parametrize("n, plan", [(67, [1, 1, 62]), (9, [1, 2, 2]), (1797, [1, 31, 1, 31])])
+@pytest.mark.parametrize("locality", [False, True])
+def test_plans_with_one_sample_ranks_keep_every_sample_once_and_the_steps_paired(n, plan, locality):
+    batches = [list(HeteroBatchSampler(n, plan, r, shuffle=False, locality=locality)) for r in range(len(plan))]
+    steps = len(HeteroBatchSampler(n, plan, 0, locality=locality))
+    assert [len(b) for b in batches] == [steps] * len(plan)  # collectives pair up
+    assert all(1 <= len(batch) <= plan[r] for r, b in enumerate(batches) for batch in b)
+    flat = [i for b in batches for batch in b for i in batch]
+    assert set(flat) == set(range(n)) and len(flat) == n + epoch_layout(n, plan).padding
+
+
+def test_a_negative_resume_step_is_refused_by_name():
+    s = HeteroBatchSampler(20, [3, 2], 0, shuffle=False)
+    with pytest.raises(ValueError, match=r"`steps_done`=-2 .*HINT"):
+        s.load_state_dict(s.state_dict(steps_done=-2))

@@ -29,29 +29,32 @@ __all__ = ["EpochLayout", "contiguous_split", "ddp_order", "epoch_layout", "epoc
 
 
 def split_remainder(remainder: int, plan: Sequence[int]) -> list[int]:
-    """Share ``remainder`` samples over ranks in proportion to ``plan``, each rank getting at least one.
+    """Share ``remainder`` samples over ranks in proportion to ``plan``: every rank gets at least one and, when
+    ``remainder`` is at most ``sum(plan)`` (an epoch's last step), at most its planned batch ``plan[i]``, so that a
+    rank the plan capped for memory is never handed more in the last step. Within those bounds the shares are
+    the largest remainders of the proportional ones (ties to the lower rank).
 
     Example::
 
         >>> split_remainder(10, [30, 10])
         [8, 2]
-        >>> split_remainder(3, [1, 1, 1])
+        >>> split_remainder(3, [1, 1, 4])
         [1, 1, 1]
+        >>> split_remainder(14, [1, 8, 8, 8])
+        [1, 5, 4, 4]
     """
     w = len(plan)
     if remainder < w:
         raise ValueError(f"cannot give each of {w} ranks a sample out of {remainder}")
     total = sum(plan)
     exact = [remainder * b / total for b in plan]
-    out = [max(1, int(x)) for x in exact]
-    order = sorted(range(w), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    while sum(out) < remainder:
-        for i in order:
-            if sum(out) == remainder:
-                break
-            out[i] += 1
-    while sum(out) > remainder:
-        i = max(range(w), key=lambda k: (out[k] - exact[k], out[k]))
+    cap = [int(b) if remainder <= total else remainder for b in plan]
+    out = [min(max(1, int(x)), c) for x, c in zip(exact, cap)]
+    while sum(out) < remainder:  # the most under-served rank with room takes the next sample
+        i = max((k for k in range(w) if out[k] < cap[k]), key=lambda k: (exact[k] - out[k], -k))
+        out[i] += 1
+    while sum(out) > remainder:  # the most over-served rank above one gives one back
+        i = max((k for k in range(w) if out[k] > 1), key=lambda k: (out[k] - exact[k], out[k], -k))
         out[i] -= 1
     return out
 

@@ -221,6 +221,9 @@ class HeteroBatchSampler(Sampler[list[int]]):
         s = self.sampler
         plan = [int(b) for b in state["plan"]]
         steps = int(state["steps_done"])
+        if steps < 0:
+            raise ValueError(f"`steps_done`={steps} in the sampler state is negative. HINT: pass the steps of the "
+                             "epoch already run (>= 0), as `state_dict(steps_done=...)` records them.")
         same = (len(plan) == len(s.plan) and sum(plan) == sum(s.plan)
                 and int(state.get("num_samples", s.num_samples)) == s.num_samples)
         if same:
