@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, hint: str = "") -> int:
-    """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """Return ``value`` as an ``int`` if it is an integer (a Python or NumPy one, not a bool) of at least
+    ``minimum``, else raise ``ValueError``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ValueError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).{_hint(hint)}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}.{_hint(hint)}")
     return value
@@ -26,7 +31,7 @@ def check_float(
     hint: str = "",
 ) -> float:
     """Return ``float(value)`` if it is a finite real number within the bounds, else raise ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"`{name}` must be a finite number, got {value!r}.{_hint(hint)}")
     value = float(value)
     if minimum is not None:

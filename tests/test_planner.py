@@ -156,3 +156,34 @@ def test_data_time_is_checkpointed_seeded_and_checked():
         q.data_time = [0.1]
     with pytest.raises(ValueError, match="data_time"):
         q.seed_model(0, (0.002, 0.001), data_time=-1.0)
+
+
+def test_a_rank_that_never_reported_is_skipped_not_a_crash():
+    """NaN rows (a rank with no records, ragged step counts padded) leave the metrics of the steps every rank
+    reported and the plan; the samples count what was reported."""
+    p = BalancePlanner(2, 64)
+    rec = fake_epoch([32, 32], [1.0, 0.5])
+    rec[1, 3:] = np.nan
+    entry = p.end_epoch(0, rec, epoch_time=1.0)
+    assert entry["samples"] == 32 * 10 + 32 * 3
+    assert entry["straggler_level"] > 0.3 and np.isfinite(entry["idle_fraction"])
+    assert sum(entry["next_batch_sizes"]) == 64 and entry["next_batch_sizes"][0] > 32
+
+
+def test_bad_memory_caps_are_refused_by_name_and_change_nothing():
+    p = BalancePlanner(2, 64)
+    rec = fake_epoch([32, 32], [1.0, 0.5])
+    assert p.end_epoch(0, rec, memory_caps=[np.int64(40), None])["next_batch_sizes"] == [40, 24]  # NumPy ints
+    for caps, match in (([40.0, None], r"`memory_caps\[0\]` must be an int, got 40.0"),
+                        ([10, 10], r"`memory_caps`=\[10, 10\] hold 20 samples, fewer than the global batch 64"),
+                        ([5], r"`memory_caps` has 1 entries for 2 ranks")):
+        with pytest.raises(ValueError, match=match):
+            p.end_epoch(1, rec, memory_caps=caps)
+        assert p.memory_caps == [40, None] and len(p.history) == 1
+    assert sum(p.end_epoch(1, rec)["next_batch_sizes"]) == 64  # the planner goes on with the caps it had
+
+
+def test_an_initial_plan_above_the_largest_batch_is_refused():
+    with pytest.raises(ValueError, match=r"`initial_plan`=\[60, 4\] .* between 1 and 40"):
+        BalancePlanner(2, 64, max_batch_size=40, initial_plan=[60, 4])
+    assert BalancePlanner(2, 64, max_batch_size=40, initial_plan=[40, 24]).plan == [40, 24]

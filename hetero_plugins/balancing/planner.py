@@ -198,12 +198,31 @@ class BalancePlanner:
 
     def _checked_plan(self, plan: Sequence[int]) -> list[int]:
         plan = [int(b) for b in plan]
-        if len(plan) != self.world_size or sum(plan) != self.global_batch or min(plan) < self.min_batch_size:
+        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
+        if len(plan) != self.world_size or sum(plan) != self.global_batch or min(plan) < self.min_batch_size \
+                or max(plan) > hi:
             raise ValueError(
-                f"`initial_plan`={plan} must have {self.world_size} entries >= {self.min_batch_size} summing to "
-                f"the global batch {self.global_batch}."
+                f"`initial_plan`={plan} must have {self.world_size} entries between {self.min_batch_size} and "
+                f"{hi} (`min_batch_size`, `max_batch_size`) summing to the global batch {self.global_batch}."
             )
         return plan
+
+    def _checked_caps(self, memory_caps: Sequence[int | None]) -> list[int | None]:
+        """``memory_caps`` as a list of ints >= 1 or ``None``, one per rank, that can hold the global batch; else
+        a ``ValueError`` naming it (checked before anything is learned, so a bad value changes nothing)."""
+        caps = list(memory_caps)
+        if len(caps) != self.world_size:
+            raise ValueError(f"`memory_caps` has {len(caps)} entries for {self.world_size} ranks. HINT: give one "
+                             "per rank, None where a rank has no cap.")
+        out = [None if c is None else check_int(f"memory_caps[{i}]", c, minimum=1,
+                                                   hint="the largest local batch that fits, or None for no cap")
+               for i, c in enumerate(caps)]
+        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
+        room = sum(hi if c is None else max(self.min_batch_size, min(hi, c)) for c in out)
+        if room < self.global_batch:
+            raise ValueError(f"`memory_caps`={out} hold {room} samples, fewer than the global batch "
+                             f"{self.global_batch}. HINT: lower the global batch or add ranks.")
+        return out
 
     @property
     def predicted_step_time(self) -> float | None:
@@ -382,12 +401,14 @@ class BalancePlanner:
                 entries: not measured); stored as the history entry's ``system``.
         """
         records = np.asarray(records, dtype=np.float64)
+        caps = None if memory_caps is None else self._checked_caps(memory_caps)
         self.observe(records[:, observed_steps:])
-        if memory_caps is not None:
-            self.memory_caps = list(memory_caps)
+        if caps is not None:
+            self.memory_caps = caps
         used = list(start_plan) if start_plan is not None else list(self.plan)
         b, t = records[:, :, 0], records[:, :, 1]
-        valid = (b > 0).all(axis=0)
+        # A step counts where every rank reported (a NaN row: a rank that never did; the time models skip it too).
+        valid = ((b > 0) & np.isfinite(t) & (t >= 0)).all(axis=0)
         tv, bv = t[:, valid], b[:, valid]
         if valid.any():
             # Per step: LBB's straggler level (max - min) / mean and the idle fraction mean (max - t) / max
@@ -403,7 +424,7 @@ class BalancePlanner:
             per_rank_compute = [float("nan")] * self.world_size
             per_rank_throughput = [0.0] * self.world_size
         steps = int(records.shape[1])
-        samples = int(b.sum())
+        samples = int(np.where(np.isfinite(b) & (b > 0), b, 0.0).sum())
         entry: dict[str, Any] = {
             "epoch": int(epoch),
             "batch_sizes": used,
