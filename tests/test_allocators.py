@@ -80,6 +80,11 @@ def test_lbb_hysteresis_and_fine_tuning():
     assert lbb.allocate(models, 100, Bounds.uniform(2), current=[54, 46]) == [50, 50]  # fine +/-1 moves
     slow = [TimeModelParams(0.0, 0.001), TimeModelParams(0.0, 0.003)]
     assert lbb.allocate(slow, 100, Bounds.uniform(2), current=[50, 50]) == [75, 25]  # coarse re-solve
+    # Ranks tied slowest (identical lines: noise-free emulation, one seeded profile per device type): no single
+    # move lowers the spread, but moving one of them is progress; fine-tuning reaches the exact re-solve's split.
+    tied = [TimeModelParams(0.0, 0.001)] * 2 + [TimeModelParams(0.0, 0.0011)] * 2
+    assert lbb.allocate(tied, 400, Bounds.uniform(4), current=[100] * 4) == [105, 105, 95, 95]
+    assert lbb.allocate(tied, 400, Bounds.uniform(4)) == [105, 105, 95, 95]
 
 
 def test_largest_remainder():

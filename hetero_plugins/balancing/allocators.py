@@ -357,13 +357,20 @@ class LBBAllocator(Allocator):
             start = EqualFinishAllocator().allocate(models, global_batch, bounds)
         return self._fine_tune(fitted, start, bounds)
 
+    @staticmethod
+    def _score(t: Sequence[float]) -> tuple[float, int]:
+        """What fine-tuning lowers: the spread, then how many ranks share the slowest or the fastest time
+        (with two ranks tied slowest, no single move lowers the spread, but moving one is progress)."""
+        top, low = max(t), min(t)
+        return top - low, sum(x >= top - 1e-12 for x in t) + sum(x <= low + 1e-12 for x in t)
+
     def _fine_tune(self, models: list[TimeModelParams], sizes: list[int], bounds: Bounds) -> list[int]:
         sizes = list(sizes)
         for _ in range(4 * sum(sizes)):
             t = predicted_times(models, sizes)
-            spread = max(t) - min(t)
-            best: tuple[float, int, int] | None = None
-            order = np.argsort(t)
+            spread, ties = self._score(t)
+            best: tuple[float, int, int, int] | None = None
+            order = np.argsort(t, kind="stable")
             for slow in order[::-1][:2]:
                 for fast in order[:2]:
                     if slow == fast or sizes[slow] <= bounds.min_batch[slow] or sizes[fast] >= bounds.max_batch[fast]:
@@ -371,14 +378,14 @@ class LBBAllocator(Allocator):
                     trial = list(sizes)
                     trial[slow] -= 1
                     trial[fast] += 1
-                    tt = predicted_times(models, trial)
-                    s = max(tt) - min(tt)
-                    if s < spread - 1e-12 and (best is None or s < best[0]):
-                        best = (s, int(slow), int(fast))
+                    s, k = self._score(predicted_times(models, trial))
+                    better = s < spread - 1e-12 or (s <= spread + 1e-12 and k < ties)
+                    if better and (best is None or (s, k) < best[:2]):
+                        best = (s, k, int(slow), int(fast))
             if best is None:
                 break
-            sizes[best[1]] -= 1
-            sizes[best[2]] += 1
+            sizes[best[2]] -= 1
+            sizes[best[3]] += 1
         return sizes
 
 
