@@ -157,8 +157,12 @@ def simulate_main(argv: list[str] | None = None) -> int:
         print(f"error: `--policy` {args.policy!r} is not an allocator. HINT: use one of {sorted(ALLOCATORS)}.",
               file=sys.stderr)
         return 2
-    out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None,
-                  replan_every=args.replan_every)
+    try:  # what the scenario's own checks cannot see: --epochs past its events, a negative --seed
+        out = compare(sc, args.policy, epochs=args.epochs, seed=args.seed, relocation=args.relocate or None,
+                      replan_every=args.replan_every)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins._validation import check_int
 from hetero_plugins.scheduler.sim.scenario import DeviceType, Scenario, load_scenario
 
 __all__ = ["ClusterSim", "min_makespan_curves"]
@@ -23,7 +24,8 @@ class ClusterSim:
 
     def __init__(self, scenario: Scenario | str | Path | Mapping[str, Any], seed: int | None = None) -> None:
         self.scenario = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
-        self.seed = self.scenario.seed if seed is None else int(seed)
+        self.seed = self.scenario.seed if seed is None else check_int("seed", seed, minimum=0,
+                                                                       hint="a noise seed, e.g. 0")
         sc = self.scenario
         self._a = np.asarray(sc.intercept, dtype=np.float64)
         self._beta = np.asarray(sc.slope, dtype=np.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ from hetero_plugins.scheduler.problem import DecisionProblem
 from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim.cluster import ClusterSim, min_makespan_curves
 from hetero_plugins.scheduler.sim.scenario import Scenario
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SimulationRun", "decision_problems", "oracle", "simulate"]
 
@@ -95,8 +98,11 @@ class SimulationRun:
         self.replan_every = replan_every
         self.sim = sim
         self.sc = sc = sim.scenario
-        self.epochs = sc.epochs if epochs is None else int(epochs)
+        self.epochs = _checked_epochs(sim, epochs)
         self.min_gain = min_gain
+        if relocation is not None and not isinstance(relocation, bool) and not hasattr(relocation, "propose"):
+            raise ValueError(f"`relocation`={relocation!r} is not a relocator. HINT: pass True (the greedy rule), a "
+                             "relocator such as make_relocator('planned_critic', scenario), or None.")
         self.alloc = alloc = get_allocator(allocator) if isinstance(allocator, str) else allocator
         self.context = telemetry and hasattr(alloc, "set_context")
         self.relocator: Any = relocation
@@ -243,9 +249,10 @@ class SimulationRun:
         relocator, planner, members = self.relocator, self.planner, self.members
         if relocator is None or planner is None or members is None:
             return None
-        lines = [(p.intercept, p.slope) for p in planner.model_params()]
-        solo = relocator.solo_lines([self.pdev[self.where[int(r)]] for r in members],
-                                    [self.measured_co.get(int(r)) for r in members], lines, self.sc.workload)
+        known = [(int(r), m) for r, m in zip(members, planner.model_params()) if m is not None]  # one step: none yet
+        solo = relocator.solo_lines([self.pdev[self.where[r]] for r, _ in known],
+                                    [self.measured_co.get(r) for r, _ in known],
+                                    [(m.intercept, m.slope) for _, m in known], self.sc.workload)
         s = relocator.slowdown(self.pdev[place], self.sim.place_corunners(epoch)[place], self.sc.workload)
         if self.pdev[place] not in solo or s is None:
             return None
@@ -285,6 +292,14 @@ class SimulationRun:
             data=list(records[:, :, 2].mean(axis=1)), workload=self.sc.workload, **extra)
         self.boundary = None
         if decision.moves:
+            where = [int(p) for p in here]
+            for i, k in decision.moves:
+                where[i] = free[k]
+            caps = [self.sc.global_batch if self.pcaps[p] is None else int(self.pcaps[p]) for p in where]
+            if sum(caps) < self.sc.global_batch:  # the slots' memory could not hold the global batch: stay
+                log.info("simulator: relocation %s ignored: the memory caps %s hold less than the global batch %d",
+                         decision.moves, caps, self.sc.global_batch)
+                return
             for i, k in decision.moves:
                 r, p = int(act[i]), free[k]
                 self.where[r] = p
@@ -397,6 +412,23 @@ class _BelievedCluster:
         return np.asarray(plan, dtype=np.float64)
 
 
+def _checked_epochs(sim: ClusterSim, epochs: int | None) -> int:
+    """``epochs`` (default the scenario's), checked: an int >= 1 at every epoch of which, beyond the scenario's
+    own, some rank is left and the ranks' memory holds the global batch (the scenario checked its own epochs)."""
+    sc = sim.scenario
+    if epochs is None:
+        return sc.epochs
+    epochs = check_int("epochs", epochs, minimum=1, hint="the number of epochs to simulate, e.g. 10")
+    for e in range(sc.epochs, epochs):
+        act = sim.active(e)
+        caps = [sc.max_batch[int(r)] for r in act]
+        if not len(act) or (all(c is not None for c in caps) and sum(caps) < sc.global_batch):  # type: ignore[misc]
+            raise ValueError(f"`epochs`={epochs} runs scenario {sc.name!r} past its {sc.epochs} epochs, where at epoch "
+                             f"{e} {'no rank is left' if not len(act) else 'the ranks cannot hold the global batch'}. "
+                             f"HINT: use epochs <= {e}, or extend the scenario's own `epochs`.")
+    return epochs
+
+
 class _Decided:
     """A relocator that returns one given decision (a branch of the run applies it)."""
 
@@ -437,35 +469,56 @@ def oracle(
     ``placements`` (slot descriptions per epoch) and the busy fractions as :func:`simulate` does."""
     sim = ClusterSim(scenario, seed=seed)
     sc = sim.scenario
-    epochs = sc.epochs if epochs is None else int(epochs)
+    epochs = _checked_epochs(sim, epochs)
     ef = EqualFinishAllocator()
     times, plans, placements, busy = [], [], [], []
     held: set[int] = set()
     memo: dict[tuple[Any, ...], list[int]] = {}  # the placement of the same slots (epochs without events) is the same
-    for e in range(epochs):
-        slots = [x for x in sim.slots(e) if not x.get("taken") or x.get("free_slot") in held]
-        n = len(sim.active(e))
-        if placement and len(slots) > n:
-            key = (n, *((x["intercept"], x["slope"], x["data"], x["rank"], x.get("free_slot")) for x in slots))
-            if key not in memo:
-                memo[key] = (best_placement if sc.linear else _swap_placement)(slots, n, sc.global_batch)
-            pick = memo[key]
-        else:
-            pick = list(range(n))
-        chosen = [slots[k] for k in pick]
-        held = {int(x["free_slot"]) for x in chosen if x.get("free_slot") is not None}
+
+    def split(chosen: list[Mapping[str, Any]]) -> tuple[np.ndarray, float] | None:
+        """The exact min-makespan split over ``chosen`` places and its noise-free step (``None``: their memory
+        caps cannot hold the global batch)."""
         caps = [sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen]
-        a = np.array([x["intercept"] for x in chosen])
-        beta = np.array([x["slope"] for x in chosen])
-        data = np.array([x["data"] for x in chosen])
+        if sum(caps) < sc.global_batch:
+            return None
+        a, beta, data = (np.array([x[k] for x in chosen]) for k in ("intercept", "slope", "data"))
         where = np.array([x["rank"] if x["rank"] is not None else sim.world_size + x["free_slot"] for x in chosen],
                          dtype=np.int64)
+        n = len(chosen)
         if sc.linear:
             models = [TimeModelParams(x["intercept"] + x["data"], x["slope"]) for x in chosen]
             plan = np.asarray(ef.allocate(models, sc.global_batch, Bounds((1,) * n, tuple(caps))), dtype=np.float64)
         else:
             plan = min_makespan_curves(lambda b: a + beta * sim.work(b, where) + data, sc.global_batch,
                                        np.ones(n, dtype=np.int64), np.asarray(caps, dtype=np.int64)).astype(np.float64)
+        return plan, float(np.max(a + beta * sim.work(plan, where) + data))
+
+    for e in range(epochs):
+        slots = [x for x in sim.slots(e) if not x.get("taken") or x.get("free_slot") in held]
+        n = len(sim.active(e))
+        own = [k for k, x in enumerate(slots) if x["rank"] is not None][:n]
+        if placement and len(slots) > n:
+            key = (n, *((x["intercept"], x["slope"], x["data"], x["rank"], x.get("free_slot")) for x in slots))
+            if key not in memo:
+                # The search ranks places by their lines; the true split of what it finds (memory caps, saturation,
+                # cliffs) must beat the places held now, or the oracle keeps those (it is a bound on staying too).
+                found = (best_placement if sc.linear else _swap_placement)(slots, n, sc.global_batch)
+                tried = [(r[1], i, pick) for i, pick in enumerate((found, own))
+                         if (r := split([slots[k] for k in pick])) is not None]
+                memo[key] = min(tried)[2] if tried else own
+            pick = memo[key]
+        else:
+            pick = own
+        chosen = [slots[k] for k in pick]
+        held = {int(x["free_slot"]) for x in chosen if x.get("free_slot") is not None}
+        a, beta, data = (np.array([x[k] for x in chosen]) for k in ("intercept", "slope", "data"))
+        where = np.array([x["rank"] if x["rank"] is not None else sim.world_size + x["free_slot"] for x in chosen],
+                         dtype=np.int64)
+        solved = split(chosen)
+        if solved is None:
+            raise ValueError(f"oracle: the places of epoch {e} cannot hold the global batch {sc.global_batch} within "
+                             "their memory caps. HINT: raise `memory_samples` or lower `global_batch` in the scenario.")
+        plan = solved[0]
         work = sim.work(plan, where)
         comm = sim.allreduce_time(n)
         compute = [(a + beta * work) * sim.slot_noise(e, s, chosen) for s in range(sc.steps_per_epoch)]

@@ -256,6 +256,8 @@ def _parse_interference(spec: dict[str, Any], types: _DeviceTypes) -> dict[str, 
 
 def _corunner_check(interference: dict[str, dict[str, float]]) -> _CorunnerCheck:
     def corunner(field: str, c: Any) -> Any:
+        if c is not None and not isinstance(c, str):
+            raise _err(field, c, "use null or a co-runner's name (a string).")
         if c is not None and c not in interference:
             raise _err(field, c, f"use null or a co-runner of the interference model {sorted(interference)} "
                        "(or add it to `interference`).")
@@ -277,6 +279,8 @@ def _parse_ranks(spec: dict[str, Any], types: _DeviceTypes, corunner: _CorunnerC
         for k in r:
             if k not in ("device", "corunner", "data", "count"):
                 raise _err(f"{f}.{k}", r[k], "remove it; a rank has device, corunner, data (and count).")
+        if not isinstance(r["device"], str):
+            raise _err(f"{f}.device", r["device"], f"use a device's name (a string), one of {sorted(types)}.")
         if r["device"] not in types:
             raise _err(f"{f}.device", r["device"], f"use one of the devices {sorted(types)}.")
         count = _num(f"{f}.count", r.get("count", 1), minimum=1, integer=True)
@@ -314,6 +318,8 @@ def _parse_added_rank(f: str, a: Any, epoch: int, types: _DeviceTypes, corunner:
     """An ``{"epoch": e, "add": {...}}`` event: a rank joins."""
     if not isinstance(a, dict) or "device" not in a or set(a) - {"device", "corunner", "data"}:
         raise _err(f"{f}.add", a, 'use {"device": <a name from devices>, "corunner": null or a name}.')
+    if not isinstance(a["device"], str):
+        raise _err(f"{f}.add.device", a["device"], f"use a device's name (a string), one of {sorted(types)}.")
     if a["device"] not in types:
         raise _err(f"{f}.add.device", a["device"], f"use one of the devices {sorted(types)}.")
     c = corunner(f"{f}.add.corunner", a.get("corunner"))
@@ -387,6 +393,8 @@ def _parse_slots(spec: dict[str, Any], types: _DeviceTypes, corunner: _CorunnerC
         f = f"free_slots[{k}]"
         if not isinstance(slot, dict) or "device" not in slot or set(slot) - {"device", "corunner", "data"}:
             raise _err(f, slot, 'use {"device": <a name from devices>, "corunner": null or a name, "data": seconds (optional)}.')
+        if not isinstance(slot["device"], str):
+            raise _err(f"{f}.device", slot["device"], f"use a device's name (a string), one of {sorted(types)}.")
         if slot["device"] not in types:
             raise _err(f"{f}.device", slot["device"], f"use one of the devices {sorted(types)}.")
         parsed.append({"device": slot["device"], "corunner": corunner(f"{f}.corunner", slot.get("corunner")),
