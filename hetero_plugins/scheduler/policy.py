@@ -237,15 +237,10 @@ class AutoAllocator(Allocator):
     ``agreement`` or ``trust_unverified=False`` refuses a prediction nothing has checked; such a rank is left as
     ``equal_finish`` sees it (``partial=False``: the whole decision falls back).
 
-    One check of the NCF's word is on: a change that this run measured at least ``contradicted`` (4) times,
-    either way round, every measurement beyond ``agreement`` of the NCF's ratio and all on the same side, is
-    corrected by the median of those measurements (:meth:`contradicting_ratio`; counted in ``contradictions``).
-    Noise scatters measured ratios on both sides of the truth; a co-runner the NCF misjudges in this cluster
-    shifts them all one way. On a 4-rank cluster where a ``video`` job that truly slows nothing arrives and
-    leaves every epoch (the NCF predicts a slowdown), ``auto`` ran 0.87x the best analytic allocator without it
-    and 0.94x with it (3 seeds; a true 3x slowdown: 1.05x -> 1.23x). Validation, 3 seeds: the family's first 60
-    clusters (interference drawn from the table the NCF was trained on) 0.9998x, 5 changed, worst 0.985x; the
-    ``shifted`` family's first 60 (another table) 1.0015x, 20 changed, worst 0.966x, best 1.031x.
+    Whatever ``measured_ratios``, a change whose every one of at least ``contradicted`` (4) measurements lies
+    beyond ``agreement`` of the NCF on one side is corrected by their median (:meth:`contradicting_ratio`): noise
+    scatters them on both sides, a co-runner the NCF misjudges in this cluster shifts them one way (figures in
+    docs/scheduler.md, "Known gaps").
 
     Two more checks are off by default (``gate_split``'s are always on for relocations):
 
