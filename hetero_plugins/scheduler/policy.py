@@ -390,14 +390,10 @@ class AutoAllocator(Allocator):
     def contradicting_ratio(self, workload: str, device: str, old: str | None, new: str | None,
                             ncf: float) -> float | None:
         """The median measured ratio of a change when at least ``contradicted`` measurements of it (either way)
-        all lie beyond ``agreement`` of the NCF's ratio ``ncf``, on the same side (``None`` otherwise): the NCF is
-        then wrong about this change in this cluster, not the measurements noisy (noise scatters them on both
-        sides; on validation one 1.01x co-runner measured 0.50-1.72x)."""
-        if not self.contradicted:
-            return None
+        all lie beyond ``agreement`` of the NCF's ratio ``ncf`` on one side, else ``None``."""
         logs = self.measured.get((workload, device, old, new), []) + \
             [-x for x in self.measured.get((workload, device, new, old), [])]
-        if len(logs) < self.contradicted:
+        if not self.contradicted or len(logs) < self.contradicted:
             return None
         tol, q = math.log1p(self.agreement), math.log(ncf)
         if all(x - q > tol for x in logs) or all(x - q < -tol for x in logs):
