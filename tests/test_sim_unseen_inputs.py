@@ -90,3 +90,14 @@ def test_epochs_past_the_scenario_are_checked_where_it_could_not_and_the_command
                            "--epochs", "7"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: `epochs`=7") and "Traceback" not in proc.stderr
     assert np.isfinite(simulate(lost, "auto", epochs=4)["steady_samples_per_s"])
+
+
+def test_event_keys_that_would_be_ignored_and_unbounded_noise_are_refused():
+    base = {"ranks": [{"device": "a", "count": 2}], "devices": {"a": {"cost_per_sample": 0.001}}, "global_batch": 8}
+    for events in ([{"epoch": 1, "rank": 0, "ranks": [1], "speed": 2.0}],  # `rank` would be ignored
+                   [{"epoch": 1, "rank": 0, "speed": 2.0, "over": 3}]):  # `over` belongs to a ramp
+        with pytest.raises(ValueError, match=r"`events\[0\]` is invalid"):
+            simulate(dict(base, events=events), "equal_finish")
+    assert simulate(dict(base, events=[{"epoch": 1, "rank": 0, "ramp": 2.0, "over": 3}]), "equal_finish")["plans"]
+    with pytest.raises(ValueError, match=r"`noise` is invalid: got 1000000.0\. HINT: use a standard deviation in \[0, 1\]"):
+        simulate(dict(base, noise=1e6), "equal_finish")

@@ -141,6 +141,15 @@ def _num(field: str, value: Any, *, minimum: float = 0.0, strict: bool = False, 
     return value
 
 
+def _noise(value: Any) -> float:
+    """``noise``: the standard deviation of the log-normal step noise, in [0, 1] (beyond 1 a step's time spans
+    orders of magnitude and every run's throughput collapses to nothing)."""
+    v = float(_num("noise", value))
+    if v > 1.0:
+        raise _err("noise", value, "use a standard deviation in [0, 1], e.g. 0.05 (5% step-to-step noise).")
+    return v
+
+
 #: Slowdown of any device beside these co-runners when a scenario gives no ``interference`` table.
 #: It is the simulator's hidden truth: policies see only the times it produces.
 DEFAULT_CORUNNERS: dict[str, float] = {"memcpy": 1.4, "video": 1.5, "inference": 1.3, "etl": 1.2, "training": 1.6}
@@ -303,7 +312,8 @@ def _parse_events(spec: dict[str, Any], types: _DeviceTypes, corunner: _Corunner
             continue
         actions = [a for a in ("corunner", "speed", "ramp", "lost", "add") if a in ev]
         extra = set(ev) - {"epoch", "rank", "ranks", "over", *actions}
-        if len(actions) != 1 or extra:
+        # one action; "over" only with a ramp; "rank" or "ranks", not both (one of them would be ignored)
+        if len(actions) != 1 or extra or ("over" in ev and actions != ["ramp"]) or {"rank", "ranks"} <= set(ev):
             raise _err(f, ev, _EVENT_HINT)
         if actions[0] == "add":
             _parse_added_rank(f, ev["add"], epoch, types, corunner, roster)
@@ -463,7 +473,7 @@ def _parse(spec: dict[str, Any], default_name: str) -> Scenario:
         workload=workload,
         epochs=epochs,
         steps_per_epoch=_num("steps_per_epoch", spec.get("steps_per_epoch", 20), minimum=1, integer=True),
-        noise=float(_num("noise", spec.get("noise", 0.02))),
+        noise=float(_noise(spec.get("noise", 0.02))),
         seed=_num("seed", spec.get("seed", 0), minimum=0, integer=True),
         join=tuple(roster.join),
         leave=tuple(roster.leave),
