@@ -99,5 +99,5 @@ def test_event_keys_that_would_be_ignored_and_unbounded_noise_are_refused():
         with pytest.raises(ValueError, match=r"`events\[0\]` is invalid"):
             simulate(dict(base, events=events), "equal_finish")
     assert simulate(dict(base, events=[{"epoch": 1, "rank": 0, "ramp": 2.0, "over": 3}]), "equal_finish")["plans"]
-    with pytest.raises(ValueError, match=r"`noise` is invalid: got 1000000.0\. HINT: use a standard deviation in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"`noise` is invalid: got 1000000.0\. HINT: use a standard deviation in"):
         simulate(dict(base, noise=1e6), "equal_finish")
