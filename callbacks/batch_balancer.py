@@ -57,7 +57,7 @@ from hetero_plugins.callbacks._relocation import (
     spec_path,
     write_torchrun_relocation,
 )
-from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
+from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, check_one_weighting, weighted_allreduce_hook
 from hetero_plugins.cluster import resolve_cluster_source
 from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
@@ -112,6 +112,9 @@ class BatchBalancer(Callback):
         >>> BatchBalancer(allocator="lbb", min_batch_size=8).options.min_batch_size
         8
     """
+
+    #: registers the weighted DDP comm hook (one per model: see ``check_one_weighting``)
+    registers_weighted_hook = True
 
     def __init__(self, balancing: BalancingOptions | None = None, *, utilisation: UtilisationSampler | None = None,
                  **options: Any) -> None:
@@ -237,6 +240,7 @@ class BatchBalancer(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        check_one_weighting(trainer.callbacks, self)
         norms = [m for m in pl_module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if norms and not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) and self.options.min_batch_size < 8:
             rank_zero_warn(

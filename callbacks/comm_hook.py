@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hetero_plugins.telemetry import StepTimer
 
-__all__ = ["WeightedAllreduceState", "weighted_allreduce_hook"]
+__all__ = ["WeightedAllreduceState", "check_one_weighting", "weighted_allreduce_hook"]
 
 
 class WeightedAllreduceState:
@@ -52,3 +52,18 @@ def weighted_allreduce_hook(state: WeightedAllreduceState, bucket: dist.GradBuck
     buffer.mul_(state.weight)
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def check_one_weighting(callbacks: Any, me: Any) -> None:
+    """``ValueError`` when another of ``callbacks`` also registers the weighted hook (``registers_weighted_hook``):
+    torch lets a DDP model have one comm hook, and two weightings of the same gradients would be one too many."""
+    others = [cb for cb in callbacks if cb is not me and getattr(cb, "registers_weighted_hook", False)]
+    if others:
+        names = sorted({type(me).__name__, *(type(cb).__name__ for cb in others)})
+        raise ValueError(
+            f"{' and '.join(names)} each weight the gradients with a DDP comm hook, and a model takes one "
+            f"({len(others) + 1} callbacks would register it). HINT: keep one: with strategy='hetero_ddp' (it brings "
+            "its own BatchBalancer) pass the balancer's options to the strategy and leave BatchBalancer and "
+            "StragglerMonitor out; beside strategy='ddp' use either BatchBalancer (it balances and records the "
+            "straggler metrics) or StragglerMonitor (it only measures)."
+        )

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from hetero_plugins.balancing.coordinator import gather_records as balancing_gather
 from hetero_plugins.callbacks._collectives import StrategyCollectives
-from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, weighted_allreduce_hook
+from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, check_one_weighting, weighted_allreduce_hook
 from hetero_plugins.metrics import idle_fraction, straggler_level
 from hetero_plugins.telemetry import StepTimer
 
@@ -44,6 +44,9 @@ class StragglerMonitor(Callback):
             ``straggler_level``, ``idle_fraction``.
     """
 
+    #: registers the weighted DDP comm hook (one per model: see ``check_one_weighting``)
+    registers_weighted_hook = True
+
     def __init__(self, log_metrics: bool = True) -> None:
         self.log_metrics = bool(log_metrics)
         self.timer = StepTimer()
@@ -53,6 +56,10 @@ class StragglerMonitor(Callback):
     @property
     def plan_history(self) -> list[dict[str, Any]]:
         return self.history
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            check_one_weighting(trainer.callbacks, self)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model

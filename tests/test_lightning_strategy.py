@@ -10,7 +10,7 @@ import torch
 import lightning.pytorch as pl
 
 import hetero_plugins.strategies  # noqa: F401  (registers "hetero_ddp" / "hetero_ddp_spawn")
-from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator
+from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator, StragglerMonitor
 from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
 from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.apps.digits import digits_datasets
@@ -248,3 +248,18 @@ def test_emulator_needs_one_speed_per_rank(tmp_path):
     t = trainer(tmp_path, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 1.0, 1.0], 0.001)], max_epochs=1)
     with pytest.raises(Exception, match="3 `speeds`"):
         t.fit(DigitsMLP())
+
+
+@pytest.mark.parametrize("strategy, callbacks", [
+    ("ddp", lambda: [BatchBalancer(), StragglerMonitor()]),
+    ("hetero_ddp", lambda: [StragglerMonitor()]),
+    ("hetero_ddp", lambda: [BatchBalancer(allocator="lbb")]),
+])
+def test_two_gradient_weightings_are_refused_before_the_first_step(tmp_path, strategy, callbacks):
+    """Each of these registers the weighted comm hook and torch takes one per model: the run stops at setup with
+    the fix, not with torch's "register_comm_hook ... can only be called once" in every rank."""
+    t = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks(), max_epochs=1,
+                   limit_train_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"each weight the gradients with a DDP comm hook.*HINT: keep one"):
+        t.fit(DigitsMLP(batch_size=16))
