@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from hetero_plugins._validation import check_bool
 from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.lr_scaling import LRScaler
 
@@ -95,7 +96,7 @@ class LRAdapter(Callback):
                 "or use rule='adascale'."
             )
         self.gradient_stats = gradient_stats
-        self.log_metrics = bool(log_metrics)
+        self.log_metrics = check_bool("log_metrics", log_metrics, hint="False logs no metrics")
         self.changes: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
         self._warned: set[str] = set()

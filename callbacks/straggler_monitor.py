@@ -16,6 +16,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from hetero_plugins._validation import check_bool
 from hetero_plugins.balancing.coordinator import gather_records as balancing_gather
 from hetero_plugins.callbacks._collectives import StrategyCollectives
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, check_one_weighting, weighted_allreduce_hook
@@ -48,7 +49,7 @@ class StragglerMonitor(Callback):
     registers_weighted_hook = True
 
     def __init__(self, log_metrics: bool = True) -> None:
-        self.log_metrics = bool(log_metrics)
+        self.log_metrics = check_bool("log_metrics", log_metrics, hint="False logs no metrics")
         self.timer = StepTimer()
         self.history: list[dict[str, Any]] = []
         self._state: WeightedAllreduceState | None = None

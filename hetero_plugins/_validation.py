@@ -59,10 +59,10 @@ def check_positive_floats(name: str, values: Any, *, length: int | None = None, 
 
 
 def check_bool(name: str, value: Any, hint: str = "") -> bool:
-    """Return ``value`` if it is ``True`` or ``False``, else raise ``ValueError``."""
-    if not isinstance(value, bool):
+    """Return ``value`` if it is ``True`` or ``False`` (a NumPy bool too), else raise ``ValueError``."""
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"`{name}` must be True or False, got {value!r}.{_hint(hint)}")
-    return value
+    return bool(value)
 
 
 def check_path(name: str, value: Any, *, must_exist: bool = False, hint: str = "") -> str | None:

@@ -40,7 +40,7 @@ from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.strategies._aggregation import AggregationMixin
-from hetero_plugins.strategies._balanced import BalancedStrategyMixin
+from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
 from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 from hetero_plugins.horovod.exchange import HorovodExchange
 from hetero_plugins.horovod.weighting import GradientWeighting
@@ -144,6 +144,8 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         aggregation: str | AggregationOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        check_strategy_keywords("HeteroHorovodStrategy", kwargs, HeteroHorovodStrategy.__init__,
+                                ParallelStrategy.__init__)
         options = BalancingOptions.from_kwargs(balancing, kwargs)
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
             raise ValueError(

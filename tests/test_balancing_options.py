@@ -35,7 +35,8 @@ def test_doctests():
         (dict(allocator="fast"), "`allocator` must be one of"),
         (dict(min_gain=-0.1), "`min_gain` must be >= 0.0"),
         (dict(max_batch_size=2, min_batch_size=4), "`max_batch_size` must be >= 4"),
-        (dict(half_life=0), "`half_life` must be > 0.0"),
+        (dict(half_life=0), "`half_life` must be >= 0.5, got 0.0"),
+        (dict(half_life=1e-10), "`half_life` must be >= 0.5"),  # at 1e-10 the time models turned NaN
         (dict(warmup_steps=-1), "`warmup_steps` must be >= 0"),
         (dict(replan_every=0), "`replan_every` must be >= 1, got 0.*HINT: use None"),
         (dict(memory_headroom=0.0), "`memory_headroom` must be > 0.0.*HINT"),
@@ -43,6 +44,9 @@ def test_doctests():
         (dict(cluster=3), "`cluster`=3 is not usable.*HINT"),
         (dict(relocation=3), "`relocation`=3 is not usable.*HINT"),
         (dict(restart_spec=3), "`restart_spec` must be a file path, got 3.*HINT"),
+        (dict(restart_spec="."), "`restart_spec`='.' is a directory. HINT: name a file in it"),
+        (dict(allocator=["lbb"]), r"`allocator` must be one of .* got \['lbb'\]"),
+        (dict(allocator=None), "`allocator`=None is not an allocator. HINT: leave it out for 'auto'"),
         (dict(apply_relocation="yes"), "`apply_relocation` must be True or False, got 'yes'.*HINT"),
         (dict(hosts_file="/nonexistent/hosts"), "`hosts_file`='/nonexistent/hosts' is not an existing file.*HINT"),
     ],
@@ -320,3 +324,37 @@ def test_lightning_strategy_collectives_on_one_device():
         warnings.simplefilter("error")
         coord = PlanCoordinator(BalancePlanner(world_size=1, global_batch=4), comm)
         assert coord.end_epoch(0, _records(4, 0.1, 3), elapsed=0.3)["samples"] == 12
+
+
+def test_numpy_scalars_are_read_as_the_numbers_they_are():
+    import numpy as np
+
+    opts = BalancingOptions(min_batch_size=np.int64(8), min_gain=np.float32(0.05), locality=np.bool_(False))
+    assert opts.min_batch_size == 8 and opts.locality is False
+
+
+def test_the_other_callbacks_refuse_strings_for_log_metrics():
+    from hetero_plugins.callbacks import LRAdapter, StragglerMonitor
+
+    for make in (StragglerMonitor, LRAdapter):
+        with pytest.raises(ValueError, match="`log_metrics` must be True or False, got 'no'.*HINT"):
+            make(log_metrics="no")
+
+
+def test_the_horovod_strategy_names_a_mistyped_keyword():
+    from hetero_plugins.strategies import HeteroHorovodStrategy
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'allocater'. HINT: did you mean 'allocator'"):
+        HeteroHorovodStrategy(allocater="lbb")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(drop_last="False"), "`drop_last` must be True or False, got 'False'.*HINT"),  # was read as True
+    (dict(shuffle="no"), "`shuffle` must be True or False, got 'no'.*HINT"),
+    (dict(seed=1.9), "`seed` must be an int, got 1.9.*HINT"),  # was cut to 1
+])
+def test_the_horovod_sampler_refuses_what_it_used_to_coerce(kwargs, match):
+    from hetero_plugins.horovod import HeteroBatchSampler
+
+    with pytest.raises(ValueError, match=match):  # before Horovod is asked for the world
+        HeteroBatchSampler(100, 8, **kwargs)

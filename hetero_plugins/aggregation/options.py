@@ -122,7 +122,10 @@ class AggregationOptions:
         if self.claim_timeout is not None:
             check_float("claim_timeout", self.claim_timeout, minimum=0.0, strict_minimum=True)
         if self.smoothing is not None:
-            check_float("smoothing", self.smoothing, minimum=0.0, maximum=1.0)
+            check_float("smoothing", self.smoothing, minimum=0.0, maximum=1.0, hint="e.g. 0.9 (below 1)")
+            if self.smoothing >= 1.0:
+                raise ValueError(f"`smoothing` must be < 1, got {self.smoothing}. HINT: e.g. 0.9 (1 would never update "
+                                 "the correction).")
         if self.min_confidence is not None:
             check_float("min_confidence", self.min_confidence, minimum=0.0, maximum=1.0)
         if self.local_steps is not None:

@@ -431,7 +431,7 @@ def get_allocator(name: str | Allocator) -> Allocator:
     :func:`register_allocator`); an :class:`Allocator` instance passes through."""
     if isinstance(name, Allocator):
         return name
-    if name not in ALLOCATORS:
+    if not isinstance(name, str) or name not in ALLOCATORS:
         raise ValueError(f"`allocator` must be one of {sorted(ALLOCATORS)}, got {name!r}. HINT: use one of these "
                          "names, pass an Allocator instance, or register a class with register_allocator(name, cls).")
     return ALLOCATORS[name]()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,20 @@ def _flag(name: str, value: Any, hint: str) -> bool:
     if not isinstance(value, bool) and isinstance(value, int) and value in (0, 1):
         return bool(value)
     return check_bool(name, value, hint=hint)
+
+
+def _check_writable(name: str, path: str) -> None:
+    """``ValueError`` naming ``name`` unless ``path`` is a file that can be written: not a directory, and the
+    nearest existing folder above it writable (the folders below that are made when it is written)."""
+    if os.path.isdir(path):
+        raise ValueError(f"`{name}`={path!r} is a directory. HINT: name a file in it, e.g. "
+                         f"{os.path.join(path, 'hetero_restart.json')!r}.")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"`{name}`={path!r} cannot be written ({parent!r} is not a writable folder). HINT: name "
+                         "a file under a folder this job may write, e.g. 'runs/hetero_restart.json'.")
 
 
 @dataclass(frozen=True)
@@ -178,11 +193,13 @@ class BalancingOptions:
 
     def __post_init__(self) -> None:
         if self.allocator is None:
-            raise ValueError("`allocator`=None is not an allocator. HINT: leave it out for 'equal_finish'.")
+            raise ValueError("`allocator`=None is not an allocator. HINT: leave it out for 'auto' (the default), or "
+                             "name one such as 'equal_finish'.")
         # The planner's own checks name each option: build a one-rank planner on the options and drop it.
         BalancePlanner(
             world_size=1,
-            global_batch=max(self.min_batch_size, 1) if isinstance(self.min_batch_size, int) else 1,
+            global_batch=max(int(self.min_batch_size), 1)
+            if isinstance(self.min_batch_size, numbers.Integral) and not isinstance(self.min_batch_size, bool) else 1,
             allocator=self.allocator, min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
             min_gain=self.min_gain, half_life=self.half_life, warmup_steps=self.warmup_steps,
             extrapolate=self.extrapolate,
@@ -204,6 +221,8 @@ class BalancingOptions:
                              "False, or a hetero_plugins.scheduler.relocation.Relocator.")
         self._set("restart_spec", check_path("restart_spec", self.restart_spec,
                                              hint="e.g. 'runs/hetero_restart.json', or None"))
+        if self.restart_spec is not None:
+            _check_writable("restart_spec", self.restart_spec)
         check_bool("apply_relocation", self.apply_relocation, hint="False writes relocations as a restart spec only")
         self._set("hosts_file", check_path(
             "hosts_file", self.hosts_file, must_exist=True,

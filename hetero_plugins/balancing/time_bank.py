@@ -58,7 +58,8 @@ class TimeModelBank:
         groups: int = 4,
     ) -> None:
         self.size = check_int("size", size, minimum=0)
-        half_life = check_float("half_life", half_life, minimum=0.0, strict_minimum=True)
+        half_life = check_float("half_life", half_life, minimum=0.5,
+                                hint="steps after which a measurement's weight halves, e.g. 6 (at least 0.5)")
         self.window = check_int("window", window, minimum=2)
         self.min_group_weight = check_float("min_group_weight", min_group_weight, minimum=0.0)
         self.min_relative_spread = check_float("min_relative_spread", min_relative_spread, minimum=0.0, maximum=1.0)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from hetero_plugins._validation import check_int
+from hetero_plugins._validation import check_bool, check_int
 from hetero_plugins.balancing.coordinator import PlanCoordinator, start_advisor
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.balancing.partition import EpochLayout, segment_layout, segment_shards, unprocessed_indices
@@ -120,9 +120,9 @@ class HeteroBatchSampler(Sampler[list[int]]):
                      "apply_relocation": "relocations are applied through `hosts_file` here."},
                     allowed={"replan_every": (None,)})
         self.options = opts
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
+        self.shuffle = check_bool("shuffle", shuffle, hint="False keeps the dataset's order")
+        self.seed = check_int("seed", seed, minimum=0, hint="the shuffling seed every rank shares, e.g. 0")
+        self.drop_last = check_bool("drop_last", drop_last, hint="True drops the epoch's last, partial step")
         self.locality = opts.locality
         self.exchange = get_exchange(exchange)
         world = self.exchange.size()
