@@ -45,14 +45,17 @@ def check_float(
 
 
 def check_positive_floats(name: str, values: Any, *, length: int | None = None, hint: str = "") -> list[float]:
-    """Return ``values`` as a list of floats, each finite and > 0, optionally of a given length."""
+    """Return ``values`` (a sequence or a 1-D NumPy array) as a list of floats, each finite and > 0, optionally of
+    a given length."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) == 0:
         raise ValueError(f"`{name}` must be a non-empty sequence of positive numbers, got {values!r}.{_hint(hint)}")
     if length is not None and len(values) != length:
         raise ValueError(f"`{name}` must have {length} entries (one per rank), got {len(values)}: {list(values)!r}.{_hint(hint)}")
     out = []
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"`{name}[{i}]` must be a positive finite number, got {v!r}.{_hint(hint)}")
         out.append(float(v))
     return out

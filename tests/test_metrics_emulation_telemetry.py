@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from hetero_plugins.emulation import EmulationModel, RandomStalls, Stall
@@ -22,6 +23,8 @@ def test_emulation_speeds_schedule_and_stalls():
     r = RandomStalls(probability=1.0, min_steps=2, max_steps=2, slowdown=3.0, seed=1)
     assert sorted({r.factor(0, 0, s) for s in range(10)}) == [1.0, 3.0]
     assert r.factor(0, 0, 4) == RandomStalls(probability=1.0, min_steps=2, max_steps=2, slowdown=3.0, seed=1).factor(0, 0, 4)
+    # speeds as NumPy gives them: an array, or NumPy scalars
+    assert EmulationModel(np.array([1, 0.5]), 0.01).speeds == EmulationModel([np.int64(1), np.float32(0.5)], 0.01).speeds
 
 
 @pytest.mark.parametrize(
