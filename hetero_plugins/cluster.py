@@ -184,9 +184,12 @@ def _assign_slots(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str]
 def resolve_cluster_source(cluster: ClusterSource | None) -> ClusterSource | None:
     """``cluster`` as given, else the file named by ``HETERO_PLUGINS_CLUSTER``, else ``None``."""
     if cluster is not None:
-        if not (callable(cluster) or isinstance(cluster, (str, os.PathLike))):
+        if not (callable(cluster) or isinstance(cluster, (str, os.PathLike))) or (isinstance(cluster, str)
+                                                                                  and not cluster.strip()):
             raise ValueError(f"`cluster`={cluster!r} is not usable. HINT: pass the path of a cluster JSON file or a "
                              "callable epoch -> dict (see hetero_plugins.cluster).")
+        if not callable(cluster) and os.path.isdir(cluster):
+            raise ValueError(f"`cluster`={str(cluster)!r} is a directory. HINT: pass the cluster JSON file in it.")
         return cluster
     env = os.environ.get(CLUSTER_ENV)
     return env or None
@@ -205,7 +208,8 @@ def read_cluster(source: ClusterSource, epoch: int, world_size: int, hosts: Sequ
     else:
         path = Path(source)
         if not path.is_file():
-            raise ValueError(f"cluster file {str(path)!r} does not exist. HINT: write it before training (see "
+            what = "is not a file" if path.exists() else "does not exist"
+            raise ValueError(f"cluster file {str(path)!r} {what}. HINT: write it before training (see "
                              f"hetero_plugins.cluster), or unset `cluster` / {CLUSTER_ENV}.")
         try:
             spec = json.loads(path.read_text(), parse_constant=_no_constant)

@@ -42,6 +42,8 @@ def test_doctests():
         (dict(memory_headroom=0.0), "`memory_headroom` must be > 0.0.*HINT"),
         (dict(memory_headroom=1.5), "`memory_headroom` must be <= 1.0.*HINT"),
         (dict(cluster=3), "`cluster`=3 is not usable.*HINT"),
+        (dict(cluster=""), "`cluster`='' is not usable.*HINT"),  # was read as the folder '.'
+        (dict(cluster="."), "`cluster`='.' is a directory. HINT"),
         (dict(relocation=3), "`relocation`=3 is not usable.*HINT"),
         (dict(restart_spec=3), "`restart_spec` must be a file path, got 3.*HINT"),
         (dict(restart_spec="."), "`restart_spec`='.' is a directory. HINT: name a file in it"),
