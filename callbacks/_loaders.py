@@ -230,6 +230,8 @@ class BalancedLoaders:
             sampler = bs.sampler  # type: ignore[assignment]
             local_batch = bs.batch_size
         else:
+            if world == 1:  # one rank has nothing to rebalance (Lightning keeps a plain sampler there)
+                return False
             kind = type(getattr(bs, "sampler", bs)).__name__
             self.warn_once(
                 f"sampler-{kind}",

@@ -263,3 +263,19 @@ def test_two_gradient_weightings_are_refused_before_the_first_step(tmp_path, str
                    enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"each weight the gradients with a DDP comm hook.*HINT: keep one"):
         t.fit(DigitsMLP(batch_size=16))
+
+
+def test_one_rank_beside_the_default_strategy_runs_without_a_rebalancing_warning(tmp_path):
+    """World size 1: Lightning keeps a plain sampler, and there is nothing to rebalance, so nothing to warn about
+    (it used to suggest use_distributed_sampler=True, which was already set)."""
+    import warnings
+
+    balancer = BatchBalancer()
+    t = pl.Trainer(accelerator="cpu", devices=1, callbacks=[balancer], max_epochs=1, limit_train_batches=2,
+                   limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(DigitsMLP(batch_size=16))
+    assert not [w for w in caught if "cannot rebalance" in str(w.message)]
+    assert [e["batch_sizes"] for e in balancer.plan_history] == [[16]]
