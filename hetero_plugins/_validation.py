@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Sequence
@@ -83,9 +84,12 @@ def check_path(name: str, value: Any, *, must_exist: bool = False, hint: str = "
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    """Return ``value`` if it is one of ``choices``, else raise ``ValueError`` listing them."""
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {sorted(choices)}, got {value!r}.")
+    """Return ``value`` if it is one of ``choices``, else raise ``ValueError`` listing them (and the nearest name
+    to a mistyped one)."""
+    if not isinstance(value, str) or value not in choices:
+        near = difflib.get_close_matches(value, list(choices), n=1) if isinstance(value, str) else []
+        hint = f"did you mean {near[0]!r}?" if near else f"use one of {sorted(choices)}."
+        raise ValueError(f"`{name}` must be one of {sorted(choices)}, got {value!r}. HINT: {hint}")
     return value
 
 

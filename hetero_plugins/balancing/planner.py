@@ -135,10 +135,13 @@ class BalancePlanner:
             "min_batch_size", min_batch_size, minimum=1, hint="every rank needs at least one sample per step"
         )
         if max_batch_size is not None:
-            check_int("max_batch_size", max_batch_size, minimum=min_batch_size)
+            max_batch_size = check_int("max_batch_size", max_batch_size, minimum=self.min_batch_size,
+                                       hint="the largest local batch a rank may get (>= min_batch_size), or None")
         self.max_batch_size = max_batch_size
-        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, maximum=1.0)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.min_gain = check_float("min_gain", min_gain, minimum=0.0, maximum=1.0,
+                                    hint="the predicted gain a new plan must bring, e.g. 0.02 (2%)")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0,
+                                      hint="steps whose times are not learned from, e.g. 1 (0: learn from every step)")
         if max_change_factor is not None:
             check_float("max_change_factor", max_change_factor, minimum=1.0, strict_minimum=True,
                         hint="e.g. 4.0 (a batch at most quadruples or quarters per re-plan), or None for no limit")
