@@ -79,6 +79,9 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
     """
     hvd = _hvd()
     options = resolve_aggregation(aggregation)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"`optimizer` must be a torch.optim.Optimizer, got {optimizer!r}. HINT: wrap the optimizer "
+                         "itself, e.g. DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), ...).")
     if not isinstance(batch_sampler, HeteroBatchSampler):
         raise ValueError(
             f"`batch_sampler` must be the hetero_plugins.horovod.HeteroBatchSampler that feeds this rank, got "
@@ -91,7 +94,7 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
         )
     if gradient_predivide_factor != 1.0:
         raise ValueError(
-            f"`gradient_predivide_factor`={gradient_predivide_factor} only applies to op=hvd.Average, which "
+            f"`gradient_predivide_factor`={gradient_predivide_factor!r} only applies to op=hvd.Average, which "
             "per-rank batch sizes cannot use. HINT: drop it; gradients are weighted by b_i / B instead."
         )
     check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)

@@ -39,6 +39,7 @@ def test_errors_name_argument_value_and_fix(results):
         "op_average": ("op", "hvd.Sum"),
         "predivide": ("gradient_predivide_factor", "2.0"),
         "compression": ("compression", "local_sgd"),
+        "not_an_optimizer": ("optimizer", "'sgd'", "torch.optim.Optimizer"),
         "step_without_micro_batches": ("micro_batches", "deadline"),
     }
     for case, words in expected.items():

@@ -187,6 +187,8 @@ def phase_errors(data: Any) -> dict[str, Any]:
         "op_average": lambda: build("pseudo_sync", op=hvd.Average),
         "predivide": lambda: build("local_sgd", gradient_predivide_factor=2.0),
         "compression": lambda: build("local_sgd", compression=hvd.Compression.fp16),
+        "not_an_optimizer": lambda: hh.DistributedOptimizer("sgd",
+                                                            batch_sampler=hh.HeteroBatchSampler(N, batch_size=BATCH)),
     }
     out: dict[str, Any] = {}
     for name, fn in cases.items():
