@@ -101,3 +101,10 @@ def test_event_keys_that_would_be_ignored_and_unbounded_noise_are_refused():
     assert simulate(dict(base, events=[{"epoch": 1, "rank": 0, "ramp": 2.0, "over": 3}]), "equal_finish")["plans"]
     with pytest.raises(ValueError, match=r"`noise` is invalid: got 1000000.0\. HINT: use a standard deviation in"):
         simulate(dict(base, noise=1e6), "equal_finish")
+
+
+def test_a_rank_lost_before_it_joins_is_refused():
+    spec = {"ranks": [{"device": "a", "count": 2}], "devices": {"a": {"cost_per_sample": 0.001}}, "global_batch": 8,
+            "events": [{"epoch": 5, "add": {"device": "a"}}, {"epoch": 3, "rank": 2, "lost": True}]}
+    with pytest.raises(ValueError, match=r"`events\[1\]\.rank` is invalid: got 2\. HINT: rank 2 joins at epoch 5"):
+        simulate(spec, "equal_finish")

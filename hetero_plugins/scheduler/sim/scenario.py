@@ -359,6 +359,10 @@ def _parse_rank_event(f: str, ev: dict[str, Any], act: str, epoch: int, corunner
     else:
         if ev["lost"] is not True:
             raise _err(f"{f}.lost", ev["lost"], "use true (the rank is lost from this epoch on).")
+        early = [r for r in rs if roster.join[r] > epoch]
+        if early:  # it would never join
+            raise _err(field, ev.get("ranks", ev.get("rank")), f"rank {early[0]} joins at epoch "
+                       f"{roster.join[early[0]]}; lose it at that epoch or later.")
         for r in rs:
             roster.leave[r] = epoch if roster.leave[r] is None else min(roster.leave[r], epoch)  # type: ignore[type-var]
         roster.events.append({"epoch": epoch, "kind": "lost", "ranks": rs})
