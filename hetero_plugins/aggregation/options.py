@@ -116,18 +116,21 @@ class AggregationOptions:
             if value is None and f.name in allowed:
                 object.__setattr__(self, f.name, _DEFAULTS[f.name])
         if self.micro_batches is not None:
-            check_int("micro_batches", self.micro_batches, minimum=1)
+            check_int("micro_batches", self.micro_batches, minimum=1,
+                      hint="the pieces a rank's batch is cut into, e.g. 4 (1: the whole batch at once)")
         if self.deadline_slack is not None:
             check_float("deadline_slack", self.deadline_slack, minimum=0.0, hint="0.2 waits 20% beyond the predicted step time")
         if self.claim_timeout is not None:
-            check_float("claim_timeout", self.claim_timeout, minimum=0.0, strict_minimum=True)
+            check_float("claim_timeout", self.claim_timeout, minimum=0.0, strict_minimum=True,
+                        hint="seconds a rank waits for a micro-batch claim to be answered, e.g. 30")
         if self.smoothing is not None:
             check_float("smoothing", self.smoothing, minimum=0.0, maximum=1.0, hint="e.g. 0.9 (below 1)")
             if self.smoothing >= 1.0:
                 raise ValueError(f"`smoothing` must be < 1, got {self.smoothing}. HINT: e.g. 0.9 (1 would never update "
                                  "the correction).")
         if self.min_confidence is not None:
-            check_float("min_confidence", self.min_confidence, minimum=0.0, maximum=1.0)
+            check_float("min_confidence", self.min_confidence, minimum=0.0, maximum=1.0,
+                        hint="a fraction in [0, 1], e.g. 0.3 (0: always correct)")
         if self.local_steps is not None:
             check_int("local_steps", self.local_steps, minimum=1, hint="1 averages after every step")
 

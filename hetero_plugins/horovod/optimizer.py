@@ -121,6 +121,11 @@ def DistributedOptimizer(  # noqa: N802 - mirrors hvd.DistributedOptimizer
                 "aggregation='wbsp' loads micro-batches of other ranks' shares, so it needs `dataset` (got None). "
                 "HINT: DistributedOptimizer(..., aggregation='wbsp', dataset=train_set, collate_fn=loader.collate_fn)."
             )
+        if options.mode == "wbsp" and not hasattr(dataset, "__getitem__"):
+            raise ValueError(
+                f"aggregation='wbsp' loads samples as dataset[i], so `dataset` must be indexable, got "
+                f"{dataset!r}. HINT: pass the training dataset itself (a torch Dataset, a list...)."
+            )
     else:
         inner = hvd.DistributedOptimizer(
             optimizer, named_parameters=None if named_parameters is None else list(named_parameters), op=hvd.Sum,

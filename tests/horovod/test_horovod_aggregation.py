@@ -36,6 +36,7 @@ def test_errors_name_argument_value_and_fix(results):
         "backward_passes": ("backward_passes_per_step", "2"),
         "locality": ("locality", "wbsp"),
         "wbsp_without_dataset": ("dataset", "None"),
+        "wbsp_dataset_not_indexable": ("dataset", "got 5", "indexable"),
         "op_average": ("op", "hvd.Sum"),
         "predivide": ("gradient_predivide_factor", "2.0"),
         "compression": ("compression", "local_sgd"),

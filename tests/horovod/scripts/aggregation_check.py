@@ -184,6 +184,7 @@ def phase_errors(data: Any) -> dict[str, Any]:
         "backward_passes": lambda: build("deadline", backward_passes_per_step=2),
         "locality": lambda: build("wbsp", locality=True, dataset=dataset),
         "wbsp_without_dataset": lambda: build("wbsp"),
+        "wbsp_dataset_not_indexable": lambda: build("wbsp", dataset=5),
         "op_average": lambda: build("pseudo_sync", op=hvd.Average),
         "predivide": lambda: build("local_sgd", gradient_predivide_factor=2.0),
         "compression": lambda: build("local_sgd", compression=hvd.Compression.fp16),
