@@ -489,17 +489,13 @@ class AutoAllocator(Allocator):
             q = float(factors[i])
             unknown = predicted is not None and predicted[i] is None
             m = self.measured_ratio(workload, d, c0, c1) if self.measured_ratios or unknown else None
-            if m is None and q != 1.0:
-                m = self.contradicting_ratio(workload, d, c0, c1, q)
-                if m is not None:
+            refuted = m is None and q != 1.0 and (m := self.contradicting_ratio(workload, d, c0, c1, q)) is not None
+            if m is not None:
+                if refuted:  # every measurement of this change contradicts the NCF
                     self.contradictions += 1
                     log.info("auto allocator: every measured ratio of (%s, %s -> %s) contradicts the NCF's %.2f; "
                              "their median %.2f is used on rank %d", d, c0, c1, q, m, i)
-                    factors[i] = m
-                    self.sources["measured"] += 1
-                    continue
-            if m is not None:
-                if q != 1.0 and abs(math.log(q / m)) > tol:
+                elif q != 1.0 and abs(math.log(q / m)) > tol:
                     self.disagreements += 1
                     log.info("auto allocator: NCF ratio %.2f disagrees with the measured %.2f on rank %d "
                              "(%s, %s -> %s); the measured one is used", q, m, i, d, c0, c1)
