@@ -195,13 +195,23 @@ class BalancePlanner:
 
     @property
     def bounds(self) -> Bounds:
-        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
-        caps = [hi if c is None else max(self.min_batch_size, min(hi, c)) for c in self.memory_caps]
+        return self._bounds_under(self.memory_caps)
+
+    @property
+    def _largest_batch(self) -> int:
+        """The largest local batch any rank may get: ``max_batch_size``, else the global batch."""
+        return self.max_batch_size if self.max_batch_size is not None else self.global_batch
+
+    def _bounds_under(self, memory_caps: Sequence[int | None]) -> Bounds:
+        """Per-rank batch bounds: ``min_batch_size`` to the largest batch, within each rank's memory cap
+        (``None``: no cap)."""
+        hi = self._largest_batch
+        caps = [hi if c is None else max(self.min_batch_size, min(hi, c)) for c in memory_caps]
         return Bounds((self.min_batch_size,) * self.world_size, tuple(caps))
 
     def _checked_plan(self, plan: Sequence[int]) -> list[int]:
         plan = [int(b) for b in plan]
-        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
+        hi = self._largest_batch
         if len(plan) != self.world_size or sum(plan) != self.global_batch or min(plan) < self.min_batch_size \
                 or max(plan) > hi:
             raise ValueError(
@@ -220,8 +230,7 @@ class BalancePlanner:
         out = [None if c is None else check_int(f"memory_caps[{i}]", c, minimum=1,
                                                    hint="the largest local batch that fits, or None for no cap")
                for i, c in enumerate(caps)]
-        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
-        room = sum(hi if c is None else max(self.min_batch_size, min(hi, c)) for c in out)
+        room = sum(self._bounds_under(out).max_batch)
         if room < self.global_batch:
             raise ValueError(f"`memory_caps`={out} hold {room} samples, fewer than the global batch "
                              f"{self.global_batch}. HINT: lower the global batch or add ranks.")
