@@ -197,21 +197,16 @@ class BalancePlanner:
     def bounds(self) -> Bounds:
         return self._bounds_under(self.memory_caps)
 
-    @property
-    def _largest_batch(self) -> int:
-        """The largest local batch any rank may get: ``max_batch_size``, else the global batch."""
-        return self.max_batch_size if self.max_batch_size is not None else self.global_batch
-
     def _bounds_under(self, memory_caps: Sequence[int | None]) -> Bounds:
-        """Per-rank batch bounds: ``min_batch_size`` to the largest batch, within each rank's memory cap
-        (``None``: no cap)."""
-        hi = self._largest_batch
+        """Per-rank batch bounds: ``min_batch_size`` to ``max_batch_size`` (else the global batch), within each
+        rank's memory cap (``None``: no cap)."""
+        hi = self.max_batch_size if self.max_batch_size is not None else self.global_batch
         caps = [hi if c is None else max(self.min_batch_size, min(hi, c)) for c in memory_caps]
         return Bounds((self.min_batch_size,) * self.world_size, tuple(caps))
 
     def _checked_plan(self, plan: Sequence[int]) -> list[int]:
         plan = [int(b) for b in plan]
-        hi = self._largest_batch
+        hi = max(self._bounds_under([None] * self.world_size).max_batch)  # the largest batch a rank may get
         if len(plan) != self.world_size or sum(plan) != self.global_batch or min(plan) < self.min_batch_size \
                 or max(plan) > hi:
             raise ValueError(
