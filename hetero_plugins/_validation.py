@@ -69,18 +69,31 @@ def check_bool(name: str, value: Any, hint: str = "") -> bool:
     return bool(value)
 
 
-def check_path(name: str, value: Any, *, must_exist: bool = False, hint: str = "") -> str | None:
+def check_path(name: str, value: Any, *, must_exist: bool = False, writable: bool = False,
+               hint: str = "") -> str | None:
     """Return ``value`` as a ``str`` path (``None`` stays ``None``) if it is a ``str`` or ``os.PathLike`` (and,
-    with ``must_exist``, an existing file), else raise ``ValueError``."""
+    with ``must_exist``, an existing file; with ``writable``, not a directory, under a nearest existing folder
+    this process may write: the folders below it are made when the file is written), else raise ``ValueError``."""
     import os
 
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise ValueError(f"`{name}` must be a file path, got {value!r}.{_hint(hint)}")
-    if must_exist and not os.path.isfile(value):
-        raise ValueError(f"`{name}`={str(value)!r} is not an existing file.{_hint(hint)}")
-    return str(value)
+    path = str(value)
+    if must_exist and not os.path.isfile(path):
+        raise ValueError(f"`{name}`={path!r} is not an existing file.{_hint(hint)}")
+    if writable:
+        example = f" ({hint})" if hint else ""
+        if os.path.isdir(path):
+            raise ValueError(f"`{name}`={path!r} is a directory. HINT: name a file in it{example}.")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"`{name}`={path!r} cannot be written ({parent!r} is not a writable folder). HINT: name "
+                             f"a file under a folder this process may write{example}.")
+    return path
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:

@@ -83,20 +83,6 @@ def _flag(name: str, value: Any, hint: str) -> bool:
     return check_bool(name, value, hint=hint)
 
 
-def _check_writable(name: str, path: str) -> None:
-    """``ValueError`` naming ``name`` unless ``path`` is a file that can be written: not a directory, and the
-    nearest existing folder above it writable (the folders below that are made when it is written)."""
-    if os.path.isdir(path):
-        raise ValueError(f"`{name}`={path!r} is a directory. HINT: name a file in it, e.g. "
-                         f"{os.path.join(path, 'hetero_restart.json')!r}.")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"`{name}`={path!r} cannot be written ({parent!r} is not a writable folder). HINT: name "
-                         "a file under a folder this job may write, e.g. 'runs/hetero_restart.json'.")
-
-
 @dataclass(frozen=True)
 class BalancingOptions:
     """The options of per-epoch batch balancing, shared by every class that balances.
@@ -219,10 +205,8 @@ class BalancingOptions:
         if not (isinstance(self.relocation, bool) or hasattr(self.relocation, "propose")):
             raise ValueError(f"`relocation`={self.relocation!r} is not usable. HINT: pass True (default Relocator), "
                              "False, or a hetero_plugins.scheduler.relocation.Relocator.")
-        self._set("restart_spec", check_path("restart_spec", self.restart_spec,
+        self._set("restart_spec", check_path("restart_spec", self.restart_spec, writable=True,
                                              hint="e.g. 'runs/hetero_restart.json', or None"))
-        if self.restart_spec is not None:
-            _check_writable("restart_spec", self.restart_spec)
         check_bool("apply_relocation", self.apply_relocation, hint="False writes relocations as a restart spec only")
         self._set("hosts_file", check_path(
             "hosts_file", self.hosts_file, must_exist=True,
