@@ -263,6 +263,13 @@ def _parse_interference(spec: dict[str, Any], types: _DeviceTypes) -> dict[str, 
     return interference
 
 
+def _check_device(field: str, name: Any, types: _DeviceTypes) -> None:
+    """``ValueError`` naming ``field`` unless ``name`` is one of the scenario's device types."""
+    if not isinstance(name, str) or name not in types:
+        kind = "" if isinstance(name, str) else "a device's name (a string), "
+        raise _err(field, name, f"use {kind}one of the devices {sorted(types)}.")
+
+
 def _corunner_check(interference: dict[str, dict[str, float]]) -> _CorunnerCheck:
     def corunner(field: str, c: Any) -> Any:
         if c is not None and not isinstance(c, str):
@@ -288,10 +295,7 @@ def _parse_ranks(spec: dict[str, Any], types: _DeviceTypes, corunner: _CorunnerC
         for k in r:
             if k not in ("device", "corunner", "data", "count"):
                 raise _err(f"{f}.{k}", r[k], "remove it; a rank has device, corunner, data (and count).")
-        if not isinstance(r["device"], str):
-            raise _err(f"{f}.device", r["device"], f"use a device's name (a string), one of {sorted(types)}.")
-        if r["device"] not in types:
-            raise _err(f"{f}.device", r["device"], f"use one of the devices {sorted(types)}.")
+        _check_device(f"{f}.device", r["device"], types)
         count = _num(f"{f}.count", r.get("count", 1), minimum=1, integer=True)
         c = corunner(f"{f}.corunner", r.get("corunner"))
         roster.add(0, r["device"], c, float(_num(f"{f}.data", r.get("data", 0.0))), count)
@@ -328,10 +332,7 @@ def _parse_added_rank(f: str, a: Any, epoch: int, types: _DeviceTypes, corunner:
     """An ``{"epoch": e, "add": {...}}`` event: a rank joins."""
     if not isinstance(a, dict) or "device" not in a or set(a) - {"device", "corunner", "data"}:
         raise _err(f"{f}.add", a, 'use {"device": <a name from devices>, "corunner": null or a name}.')
-    if not isinstance(a["device"], str):
-        raise _err(f"{f}.add.device", a["device"], f"use a device's name (a string), one of {sorted(types)}.")
-    if a["device"] not in types:
-        raise _err(f"{f}.add.device", a["device"], f"use one of the devices {sorted(types)}.")
+    _check_device(f"{f}.add.device", a["device"], types)
     c = corunner(f"{f}.add.corunner", a.get("corunner"))
     roster.add(epoch, a["device"], c, float(_num(f"{f}.add.data", a.get("data", 0.0))))
 
@@ -407,10 +408,7 @@ def _parse_slots(spec: dict[str, Any], types: _DeviceTypes, corunner: _CorunnerC
         f = f"free_slots[{k}]"
         if not isinstance(slot, dict) or "device" not in slot or set(slot) - {"device", "corunner", "data"}:
             raise _err(f, slot, 'use {"device": <a name from devices>, "corunner": null or a name, "data": seconds (optional)}.')
-        if not isinstance(slot["device"], str):
-            raise _err(f"{f}.device", slot["device"], f"use a device's name (a string), one of {sorted(types)}.")
-        if slot["device"] not in types:
-            raise _err(f"{f}.device", slot["device"], f"use one of the devices {sorted(types)}.")
+        _check_device(f"{f}.device", slot["device"], types)
         parsed.append({"device": slot["device"], "corunner": corunner(f"{f}.corunner", slot.get("corunner")),
                        "data": float(_num(f"{f}.data", slot.get("data", 0.0)))})
     return parsed
