@@ -475,15 +475,20 @@ def oracle(
     held: set[int] = set()
     memo: dict[tuple[Any, ...], list[int]] = {}  # the placement of the same slots (epochs without events) is the same
 
-    def split(chosen: list[Mapping[str, Any]]) -> tuple[np.ndarray, float] | None:
-        """The exact min-makespan split over ``chosen`` places and its noise-free step (``None``: their memory
-        caps cannot hold the global batch)."""
-        caps = [sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen]
-        if sum(caps) < sc.global_batch:
-            return None
+    def true_lines(chosen: list[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The true ``(intercept, slope, data)`` of ``chosen`` places and their place ids (for their curves)."""
         a, beta, data = (np.array([x[k] for x in chosen]) for k in ("intercept", "slope", "data"))
         where = np.array([x["rank"] if x["rank"] is not None else sim.world_size + x["free_slot"] for x in chosen],
                          dtype=np.int64)
+        return a, beta, data, where
+
+    def split(chosen: list[Mapping[str, Any]]) -> tuple[float, np.ndarray] | None:
+        """The noise-free step of the exact min-makespan split over ``chosen`` places, and that split (``None``:
+        their memory caps cannot hold the global batch)."""
+        caps = [sc.global_batch if x["max_batch"] is None else int(x["max_batch"]) for x in chosen]
+        if sum(caps) < sc.global_batch:
+            return None
+        a, beta, data, where = true_lines(chosen)
         n = len(chosen)
         if sc.linear:
             models = [TimeModelParams(x["intercept"] + x["data"], x["slope"]) for x in chosen]
@@ -491,34 +496,30 @@ def oracle(
         else:
             plan = min_makespan_curves(lambda b: a + beta * sim.work(b, where) + data, sc.global_batch,
                                        np.ones(n, dtype=np.int64), np.asarray(caps, dtype=np.int64)).astype(np.float64)
-        return plan, float(np.max(a + beta * sim.work(plan, where) + data))
+        return float(np.max(a + beta * sim.work(plan, where) + data)), plan
 
     for e in range(epochs):
         slots = [x for x in sim.slots(e) if not x.get("taken") or x.get("free_slot") in held]
         n = len(sim.active(e))
         own = [k for k, x in enumerate(slots) if x["rank"] is not None][:n]
+        pick, solved = own, None
         if placement and len(slots) > n:
             key = (n, *((x["intercept"], x["slope"], x["data"], x["rank"], x.get("free_slot")) for x in slots))
             if key not in memo:
                 # The search ranks places by their lines; the true split of what it finds (memory caps, saturation,
                 # cliffs) must beat the places held now, or the oracle keeps those (it is a bound on staying too).
                 found = (best_placement if sc.linear else _swap_placement)(slots, n, sc.global_batch)
-                tried = [(r[1], i, pick) for i, pick in enumerate((found, own))
-                         if (r := split([slots[k] for k in pick])) is not None]
-                memo[key] = min(tried)[2] if tried else own
-            pick = memo[key]
-        else:
-            pick = own
+                tried = [(p, r) for p in (found, own) if (r := split([slots[k] for k in p])) is not None]
+                memo[key] = min(tried, key=lambda t: t[1][0], default=(own, None))  # a tie keeps the search's
+            pick, solved = memo[key]
         chosen = [slots[k] for k in pick]
         held = {int(x["free_slot"]) for x in chosen if x.get("free_slot") is not None}
-        a, beta, data = (np.array([x[k] for x in chosen]) for k in ("intercept", "slope", "data"))
-        where = np.array([x["rank"] if x["rank"] is not None else sim.world_size + x["free_slot"] for x in chosen],
-                         dtype=np.int64)
-        solved = split(chosen)
+        solved = solved or split(chosen)
         if solved is None:
             raise ValueError(f"oracle: the places of epoch {e} cannot hold the global batch {sc.global_batch} within "
                              "their memory caps. HINT: raise `memory_samples` or lower `global_batch` in the scenario.")
-        plan = solved[0]
+        plan = solved[1]
+        a, beta, data, where = true_lines(chosen)
         work = sim.work(plan, where)
         comm = sim.allreduce_time(n)
         compute = [(a + beta * work) * sim.slot_noise(e, s, chosen) for s in range(sc.steps_per_epoch)]
