@@ -33,7 +33,7 @@ pytestmark = pytest.mark.distributed
 def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation, where):
     out = tmp_path / "out.pt"
     cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--epochs", "2", "--out", str(out),
-           "--aggregation", aggregation, *where] + (["--callback"] if callback else [])
+           "--cost-per-sample", "0.001", "--aggregation", aggregation, *where] + (["--callback"] if callback else [])
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,7 +93,7 @@ def test_demo_command_runs_end_to_end(tmp_path):
     the demo with its progress bars and table, then `hetero-plugins report` on the run it kept."""
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "hetero_plugins.cli", "demo", "--epochs", "2", "--speeds", "1,0.25",
-           "--cost-per-sample", "0.002", "--out", str(out)]
+           "--cost-per-sample", "0.001", "--out", str(out)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     rc, screen = run_in_terminal(cmd, cwd=tmp_path, env=env, timeout=300)
     assert rc == 0, screen[-3000:]

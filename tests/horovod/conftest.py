@@ -73,3 +73,14 @@ def horovodrun(horovod_available: None) -> Callable[..., subprocess.CompletedPro
         return res
 
     return _run
+
+
+def several_checks(out: Path, names: list[str], timeout: float) -> Path:
+    """Run ``scripts/several_checks.py`` (the named check scripts one after another in one ``horovodrun -np 2``
+    job: one start-up instead of one a script); fail with the output tail on a non-zero exit. Returns ``out``,
+    under which each check wrote into its own folder."""
+    args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "several_checks.py"), str(out),
+            *names]
+    res = run_job(args, timeout)
+    assert res.returncode == 0, f"horovodrun {' '.join(args)} exited {res.returncode}:\n{res.stdout[-8000:]}"
+    return out
