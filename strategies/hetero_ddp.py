@@ -86,7 +86,10 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
                 "sample-weighted hook. HINT: drop `ddp_comm_hook`, or use strategy='ddp' without balancing."
             )
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"`timeout` must be a positive datetime.timedelta, got {timeout!r}.")
+            number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+            seconds = timeout if number else int(DEFAULT_TIMEOUT.total_seconds())
+            raise ValueError(f"`timeout` must be a positive datetime.timedelta, got {timeout!r}. HINT: pass "
+                             f"timeout=datetime.timedelta(seconds={seconds}), or None for torch's default.")
         super().__init__(timeout=timeout, **kwargs)
         self.balancer = BatchBalancer(options)
         self._init_aggregation(aggregation)

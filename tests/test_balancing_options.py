@@ -360,3 +360,37 @@ def test_the_horovod_sampler_refuses_what_it_used_to_coerce(kwargs, match):
 
     with pytest.raises(ValueError, match=match):  # before Horovod is asked for the world
         HeteroBatchSampler(100, 8, **kwargs)
+
+
+@pytest.mark.parametrize("make, match", [
+    # The shared checks give every error a fix when the caller names none (these used to end at the value).
+    (lambda: __import__("hetero_plugins.horovod", fromlist=["x"]).HeteroBatchSampler(0, 8),
+     r"`num_samples` must be >= 1, got 0\. HINT: pass an int of at least 1, e.g\. num_samples=1\."),
+    (lambda: BalancePlanner(2, 16.5), r"`global_batch` must be an int, got 16\.5 \(float\)\. HINT: pass an int"),
+    (lambda: __import__("hetero_plugins.scheduler.relocation", fromlist=["x"]).Relocator(min_gain=-0.1),
+     r"`min_gain` must be >= 0\.0, got -0\.1\. HINT: pass a finite number at least 0\.0\."),
+    (lambda: HeteroDDPStrategy(timeout=30), r"got 30\. HINT: pass timeout=datetime\.timedelta\(seconds=30\), or None"),
+    (lambda: HeteroDDPStrategy(timeout="10m"), r"HINT: pass timeout=datetime\.timedelta\(seconds=600\)"),
+])
+def test_argument_errors_name_a_fix_even_where_the_caller_gave_none(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_every_shared_check_names_the_argument_the_value_and_a_fix():
+    from hetero_plugins import _validation as v
+
+    bad = [lambda: v.check_int("n", "3"), lambda: v.check_int("n", 0, minimum=1),
+           lambda: v.check_float("x", float("nan")), lambda: v.check_float("x", 0.0, minimum=0.0, strict_minimum=True),
+           lambda: v.check_float("x", 2.0, maximum=1.0), lambda: v.check_bool("x", "False"),
+           lambda: v.check_positive_floats("x", []), lambda: v.check_positive_floats("x", [1.0], length=2),
+           lambda: v.check_positive_floats("x", [1.0, -1.0]), lambda: v.check_path("x", 5)]
+    for make in bad:
+        with pytest.raises(ValueError) as err:
+            make()
+        message = str(err.value)
+        assert message.startswith(("`x`", "`n`", "`x[1]`")) and " got " in message, message
+        assert message.count("HINT: ") == 1 and not message.endswith("HINT: "), message
+    # A caller's own hint replaces the generic one.
+    with pytest.raises(ValueError, match=r"HINT: use None to re-plan at epoch ends only\.$"):
+        v.check_int("replan_every", 0, minimum=1, hint="use None to re-plan at epoch ends only.")
