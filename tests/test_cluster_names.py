@@ -77,7 +77,7 @@ def test_the_fallback_an_unknown_free_slot_is_never_chosen():
     assert d.moves == [] and d.unknown_slots == [0]
 
 
-def test_names_are_checked_against_the_relocators_own_model_and_not_without_relocation():
+def test_names_are_checked_against_the_relocators_own_model_or_without_relocation_the_allocators():
     custom = Relocator(InterferencePredictor(["training"], ["gpu"], ["video"]))
     adv = ClusterAdvisor(lambda e: {"ranks": [{"device": "gpu", "corunner": "video"}]}, relocation=custom)
     with warnings.catch_warnings():
@@ -85,8 +85,23 @@ def test_names_are_checked_against_the_relocators_own_model_and_not_without_relo
         adv.start(0, 1)  # unknown to the shipped model, known to this relocator's
     with pytest.warns(RuntimeWarning, match=r"`ranks\[0\]\.device` is 'v100'.*knows \['gpu'\]"):
         ClusterAdvisor(lambda e: {"ranks": [{"device": "v100"}]}, relocation=custom).start(0, 1)
-    off = ClusterAdvisor(lambda e: {"ranks": [{"device": "V100"}]}, relocation=False)
+    # relocation=False: the names reach only the allocator's correction, so they are checked against its model,
+    # once an allocator has decided; an allocator that reads no names (equal_finish) checks none.
+    from hetero_plugins.balancing.allocators import get_allocator
+    from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
+
+    off = ClusterAdvisor(lambda e: {"ranks": [{"device": "V100", "corunner": "video"}]}, relocation=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         off.start(0, 1)
-    assert off.check_names(off.placement) == []
+        upcoming = off.before_decision(0, 1, allocator=get_allocator("equal_finish"), data=[0.0])
+    assert upcoming is not None and off.check_names(upcoming) == []
+    with pytest.warns(RuntimeWarning, match=r"`ranks\[0\]\.device` is 'V100', a device name the allocator's "
+                      r"interference model.*'v100'.*HINT: fix the name.*pass allocator=AutoAllocator\(interference="):
+        off.before_decision(1, 1, allocator=AutoAllocator(), data=[0.0])
+    own = ClusterAdvisor(lambda e: {"ranks": [{"device": "gpu", "corunner": "video"}]}, relocation=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # known to this allocator's model
+        upcoming = own.before_decision(0, 1, data=[0.0],
+                                       allocator=DQNAllocator(InterferencePredictor(["training"], ["gpu"], ["video"])))
+    assert own.check_names(upcoming) == []

@@ -152,16 +152,22 @@ class ClusterAdvisor:
         where the name meets a co-runner, so such a rank's time line is left as measured and such a free slot
         is never chosen. But it must not pass silently (a typo would switch stage 2 off), so each unknown
         name is announced once with a ``RuntimeWarning`` naming the field, the value, the names the model
-        knows and the fix. Names are checked only while relocation is on (``relocation=False``: they reach only
-        the allocator's own correction) and when the relocator can tell its vocabulary.
+        knows and the fix. Names are checked against the relocator's model while relocation is on; with
+        ``relocation=False`` against the model of the allocator's own correction (``auto``, ``dqn``: the
+        ``interference`` they correct announced co-runner changes with), once an allocator has decided; not at
+        all where neither model can tell its vocabulary (``equal_finish`` reads no names).
 
         Returns the ``(field, name)`` pairs not known (warned about now or before).
         """
-        relocator = self._relocator
+        relocator, fix = self._relocator, "relocation=Relocator(predictor=FILE)"
         if relocator is None and self.relocation is True:  # before the first decision: the default model's
             self._names = self._names or Relocator()  # vocabulary (the learned relocator's too)
             relocator = self._names
-        known = getattr(relocator, "known_names", lambda: None)() if relocator is not None else None
+        model: Any = relocator
+        if relocator is None:  # relocation off: the names reach the allocator's correction only
+            model = getattr(self._allocator, "correction", None)
+            fix = f"allocator={type(self._allocator).__name__}(interference=FILE)"
+        known = getattr(model, "known_names", lambda: None)() if model is not None else None
         if known is None:
             return []
         unknown: list[tuple[str, str, str]] = []
@@ -178,12 +184,13 @@ class ClusterAdvisor:
                 continue
             self._warned_names.add((kind, name))
             warnings.warn(
-                f"hetero_plugins: cluster description field `{where}` is {name!r}, a {kind} name the relocator's "
-                f"interference model (NCF) does not know; it knows {known[kind]}. Stage 2 falls back where the name "
-                "meets a co-runner: no slowdown is predicted, so a rank's time line there is left as measured and "
-                "a free slot there is never chosen. HINT: fix the name, or extend the model to it with "
-                "hetero_plugins.scheduler.transfer.transfer_ncf(samples, out=FILE) and pass "
-                "relocation=Relocator(predictor=FILE).", RuntimeWarning, stacklevel=3)
+                f"hetero_plugins: cluster description field `{where}` is {name!r}, a {kind} name the "
+                f"{'relocator' if relocator is not None else 'allocator'}'s interference model (NCF) does not know; "
+                f"it knows {known[kind]}. Stage 2 falls back where the name meets a co-runner: no slowdown is "
+                "predicted, so a rank's time line there is left as measured and a free slot there is never chosen. "
+                "HINT: fix the name, or extend the model to it with "
+                f"hetero_plugins.scheduler.transfer.transfer_ncf(samples, out=FILE) and pass {fix}.",
+                RuntimeWarning, stacklevel=3)
         return [(where, name) for where, _, name in unknown]
 
     @staticmethod
