@@ -208,6 +208,23 @@ def test_every_rank_adopts_rank_0s_decision_and_record():
     assert coord.advisor.calls == []  # only rank 0 asks the advisor
 
 
+def test_a_rank_that_reports_no_compute_time_is_named_once_with_the_fix():
+    # Rank 1 ran its steps but its timing never did (0 s in every step): its batch could never move.
+    untimed = np.array([[8, 0.0, 0.001]] * 5)
+    comm = ScriptedComm(rank=0, world=2, others={"hetero_plugins.header": [[5, 0.7, -1]],
+                                                 "hetero_plugins.records": [untimed]})
+    coord = PlanCoordinator(BalancePlanner(world_size=2, global_batch=16), comm)
+    with pytest.warns(RuntimeWarning, match=r"rank 1 reported 0 s of compute in every step of epoch 0, so its time "
+                                            r"model learns nothing and its batch stays 8\. HINT: .*batch_sampler="):
+        coord.end_epoch(0, _records(8, 0.1, 5), elapsed=0.6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per rank; a timed rank 1 or a rank that ran no step is not named
+        coord.end_epoch(1, _records(8, 0.1, 5), elapsed=0.6)
+        timed = ScriptedComm(rank=0, world=2, others={"hetero_plugins.header": [[5, 0.7, -1]],
+                                                      "hetero_plugins.records": [_records(8, 0.05, 5)]})
+        PlanCoordinator(BalancePlanner(world_size=2, global_batch=16), timed).end_epoch(0, _records(8, 0.1, 5), 0.6)
+
+
 class FakeAdvisor:
     """An :class:`EpochAdvisor` that records its calls and proposes one relocation."""
 

@@ -244,6 +244,8 @@ class PlanCoordinator:
         observed = sum(p.shape[1] for p in parts)
         if parts:
             gathered = np.concatenate(parts + [gathered], axis=1)
+        if comm.rank() == 0:
+            self._warn_untimed(epoch, gathered)
         lead = comm.rank() == 0 and self.advisor is not None
         data = data_times(gathered) if lead else []
         upcoming = (self.advisor.before_decision(epoch, comm.size(), planner.allocator, data, hosts)  # type: ignore[union-attr]
@@ -290,6 +292,20 @@ class PlanCoordinator:
         if new and upcoming is not None and write is not None:
             write(info, decision, upcoming)
         return info
+
+    def _warn_untimed(self, epoch: int, records: np.ndarray) -> None:
+        """Warn once per rank that ran steps and reported 0 s of compute in every one: its time model learns
+        nothing, so its batch never moves (the step timing did not run there)."""
+        b, t = records[:, :, 0], records[:, :, 1]
+        ran = (b > 0).any(axis=1)
+        untimed = ran & np.where(b > 0, t == 0, True).all(axis=1)
+        for r in np.flatnonzero(untimed):
+            self._warn_once(f"untimed{r}", (
+                f"{self.label}: rank {r} reported 0 s of compute in every step of epoch {epoch}, so its time model "
+                f"learns nothing and its batch stays {self.planner.plan[r]}. HINT: the rank's step timing did not "
+                "run: in a horovodrun script give hh.DistributedOptimizer the sampler (batch_sampler=...) or call "
+                "its batch_drawn/backward_done/step_done hooks each step; under Lightning, run the step's forward "
+                "and backward in training_step."))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
