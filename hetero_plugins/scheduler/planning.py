@@ -77,8 +77,10 @@ def planner_rollout(planner: Any, lines: Sequence[tuple[float, float]], data: Se
 
 def rollout_epochs(planner: Any, lines: Sequence[tuple[float, float]], data: Sequence[float], steps: int,
                    horizon: int, noise: float = 0.05, seed: int = 0,
-                   seeds: Mapping[int, tuple[tuple[float, float], float]] | None = None) -> list[float]:
-    """:func:`planner_rollout` epoch by epoch: the seconds of each of the ``horizon`` epochs played."""
+                   seeds: Mapping[int, tuple[tuple[float, float], float]] | None = None,
+                   floors: Mapping[int, float] | None = None) -> list[float]:
+    """:func:`planner_rollout` epoch by epoch: the seconds of each of the ``horizon`` epochs played (``floors``:
+    ranks whose step takes at least that many compute seconds at any batch, a plateau)."""
     n = len(lines)
     check_int("steps", steps, minimum=1, hint="e.g. 20")
     check_int("horizon", horizon, minimum=1, hint="e.g. 4")
@@ -94,11 +96,14 @@ def rollout_epochs(planner: Any, lines: Sequence[tuple[float, float]], data: Seq
     a = np.array([x[0] for x in lines], dtype=np.float64)
     b = np.array([x[1] for x in lines], dtype=np.float64)
     dv = np.asarray(data, dtype=np.float64)
+    floor = np.zeros(n)
+    for i, f in (floors or {}).items():
+        floor[int(i)] = float(f)
     rng = np.random.default_rng(seed)
     times: list[float] = []
     for e in range(int(horizon)):
         plan = np.asarray(p.plan, dtype=np.float64)
-        compute = (a + b * plan)[:, None] * np.exp(rng.normal(0.0, noise, (n, int(steps))))
+        compute = np.maximum(a + b * plan, floor)[:, None] * np.exp(rng.normal(0.0, noise, (n, int(steps))))
         records = np.stack([np.broadcast_to(plan[:, None], compute.shape), compute,
                             np.broadcast_to(dv[:, None], compute.shape)], axis=2)
         times.append(float((compute + dv[:, None]).max(axis=0).sum()))
@@ -156,6 +161,15 @@ class PlanningRelocator(Relocator):
             0.973**, 0.7 1.024 / 1.096 / 0.956, 1.0 1.022 / 1.093 / 0.935: the mean moves by 0.2%, single clusters
             by up to 24% either way (a long tail also multiplies a wrong belief), so it stays off.
         seed: seeds the noise draws.
+        floors: price a free slot no faster than its device's saturation plateau, where the device's ranks show
+            one (:meth:`~hetero_plugins.scheduler.relocation.Relocator.device_floors`: the ranks cut to a few
+            samples run well above the device's line), and play the moved ranks' steps no shorter than that in the
+            rollouts. The device line, fitted where most of the batch runs, prices a slot at a few samples far
+            too fast on a plateau (test ``default-248``: a move to a slot beside a 4x co-runner, priced at 6.7 ms a
+            step, ran 30 ms; the critic's relocator was 0.920x no relocation there, 0.988x with floors).
+            Validation (3 seeds, against ``floors=False``, the critic's relocator): the default family's first 200
+            seeds (165 clusters with churn and free slots) 1.0006x, 15 changed (12 up, 3 down; 0.989x-1.037x);
+            the ``shifted`` family's first 80 (66) 0.9999x, 3 changed (0.977x-1.019x).
 
     Defaults chosen on the validation split (19 clusters with churn and free slots, 3 seeds; mean against the
     greedy rule / mean and worst against no relocation). With ``noise=0.05``, ``horizon`` 1 / 2 / 3 / 4: 1.001 /
@@ -189,8 +203,9 @@ class PlanningRelocator(Relocator):
     def __init__(self, predictor: Any = None, workload: str = "training", restart_cost: float = 60.0,
                  horizon: int = 2, draws: int = 1, noise: float = 0.0, margin: float = 0.0, slowest: int = 6,
                  best_slots: int = 6, critic: RolloutCorrection | str | Path | None = None,
-                 adapt: bool | None = None, tail: float = 0.0, seed: int = 0) -> None:
+                 adapt: bool | None = None, tail: float = 0.0, seed: int = 0, floors: bool = True) -> None:
         super().__init__(predictor, workload=workload, restart_cost=restart_cost)
+        self.floors = check_bool("floors", floors)
         self.horizon = check_int("horizon", horizon, minimum=1, hint="e.g. 4")
         self.draws = check_int("draws", draws, minimum=1, hint="e.g. 2")
         self.noise = check_float("noise", noise, minimum=0.0, hint="e.g. 0.05")
@@ -240,8 +255,16 @@ class PlanningRelocator(Relocator):
         self.check_places(n, places, homes)
         self.decisions += 1
         cost = self.restart_cost if restart_cost is None else check_float("restart_cost", restart_cost, minimum=0.0)
-        own, incoming, unknown, _ = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
-                                                      workload or self.workload, solo)
+        own, incoming, unknown, solo = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
+                                                         workload or self.workload, solo)
+        if self.floors:
+            wl = workload or self.workload
+            floors = self.device_floors(devices, corunners, lines, list(planner.plan), wl, solo)
+            for x in incoming:
+                slot = free_slots[x["free_slot"]]
+                f, s = floors.get(slot.get("device")), self.slowdown(slot.get("device"), slot.get("corunner"), wl)
+                if f is not None and s is not None:
+                    x["floor"] = f * s
         data_v = np.array([x["data"] for x in own])
         keep = [(x["intercept"], x["slope"]) for x in own]
         self._observe(own, global_batch, places)
@@ -308,12 +331,15 @@ class PlanningRelocator(Relocator):
             seed = self.seed + 7919 * self.decisions + k
             base = played(rollout_epochs(planner, keep, data, steps, horizon, self.noise, seed))
             for j, c in enumerate(cands):
-                new_lines, new_data, moved = list(keep), np.array(data, dtype=np.float64), {}
+                new_lines, new_data, moved, floors = list(keep), np.array(data, dtype=np.float64), {}, {}
                 for i, s in c["moves"].items():
                     slot = incoming[s]
                     new_lines[i] = (slot["intercept"], slot["slope"])
                     new_data[i] = slot["data"]
                     moved[i] = (new_lines[i], slot["data"])
-                t = played(rollout_epochs(planner, new_lines, new_data, steps, horizon, self.noise, seed, seeds=moved))
+                    if slot.get("floor"):
+                        floors[i] = slot["floor"]
+                t = played(rollout_epochs(planner, new_lines, new_data, steps, horizon, self.noise, seed, seeds=moved,
+                                          floors=floors))
                 value[j] += (base - t - cost) / draws
         return value

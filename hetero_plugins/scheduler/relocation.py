@@ -145,6 +145,42 @@ class Relocator:
         return {d: (float(np.median([x[0] for x in v])), float(np.median([x[1] for x in v])))
                 for d, v in groups.items()}
 
+    def device_floors(self, devices: Sequence[str], corunners: Sequence[str | None],
+                      lines: Sequence[tuple[float, float]], batches: Sequence[float], workload: str | None = None,
+                      solo: Mapping[str, tuple[float, float]] | None = None, excess: float = 0.5,
+                      ) -> dict[str, float]:
+        """Per device type, the solo step time its ranks' small batches were measured at, where that stands above
+        the device's line: a saturation plateau, below which a step takes no less time however few its samples.
+
+        A device's median line (:meth:`solo_lines`) comes from the ranks that carry most of the batch; a slot
+        priced from it at a few samples is predicted far faster than a plateau lets it run (the rank that moves
+        there is cut to a few samples, then sets every step). The ranks of that device holding at most half its
+        median batch tell the plateau: when at least two hold so few, and the median of their fitted times at
+        their batches (the co-runner's predicted slowdown divided out) exceeds the device line at their median
+        batch by more than ``excess``, that time is the device's floor (their lower median: one rank whose load
+        ramps is not enough).
+        """
+        if solo is None:
+            solo = self.solo_lines(devices, corunners, lines, workload)
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for d, c, (a, b), p in zip(devices, corunners, lines, batches):
+            s = self.slowdown(d, c, workload)
+            if s is not None and s > 0 and p >= 1:
+                groups.setdefault(d, []).append((float(p), (a + b * p) / s))
+        floors: dict[str, float] = {}
+        for d, v in groups.items():
+            if d not in solo:
+                continue
+            half = 0.5 * float(np.median([p for p, _ in v]))
+            small = [(p, t) for p, t in v if p <= half]
+            if len(small) < 2:
+                continue
+            t_small = sorted(t for _, t in small)[(len(small) - 1) // 2]  # the lower median: one rank never decides
+            a, b = solo[d]
+            if t_small > (1.0 + excess) * (a + b * float(np.median([p for p, _ in small]))):
+                floors[d] = t_small
+        return floors
+
     @staticmethod
     def check_lengths(devices: Sequence[Any], corunners: Sequence[Any], next_corunners: Sequence[Any],
                       lines: Sequence[Any], data: Sequence[float] | None) -> None:
