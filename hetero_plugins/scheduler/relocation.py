@@ -155,10 +155,9 @@ class Relocator:
         A device's median line (:meth:`solo_lines`) comes from the ranks that carry most of the batch; a slot
         priced from it at a few samples is predicted far faster than a plateau lets it run (the rank that moves
         there is cut to a few samples, then sets every step). The ranks of that device holding at most half its
-        median batch tell the plateau: when at least two hold so few, and the median of their fitted times at
-        their batches (the co-runner's predicted slowdown divided out) exceeds the device line at their median
-        batch by more than ``excess``, that time is the device's floor (their lower median: one rank whose load
-        ramps is not enough).
+        median batch tell the plateau: when at least two hold so few, and the lower median of their fitted times
+        at their batches (the co-runner's predicted slowdown divided out) exceeds the device line at their median
+        batch by more than ``excess``, that time is the device's floor (one rank whose load ramps never decides).
         """
         if solo is None:
             solo = self.solo_lines(devices, corunners, lines, workload)
