@@ -159,13 +159,14 @@ class ClusterAdvisor:
 
         Returns the ``(field, name)`` pairs not known (warned about now or before).
         """
-        relocator, fix = self._relocator, "relocation=Relocator(predictor=FILE)"
+        relocator = self._relocator
         if relocator is None and self.relocation is True:  # before the first decision: the default model's
             self._names = self._names or Relocator()  # vocabulary (the learned relocator's too)
             relocator = self._names
         model: Any = relocator
+        whose, fix = "relocator", "relocation=Relocator(predictor=FILE)"
         if relocator is None:  # relocation off: the names reach the allocator's correction only
-            model = getattr(self._allocator, "correction", None)
+            model, whose = getattr(self._allocator, "correction", None), "allocator"
             fix = f"allocator={type(self._allocator).__name__}(interference=FILE)"
         known = getattr(model, "known_names", lambda: None)() if model is not None else None
         if known is None:
@@ -185,7 +186,7 @@ class ClusterAdvisor:
             self._warned_names.add((kind, name))
             warnings.warn(
                 f"hetero_plugins: cluster description field `{where}` is {name!r}, a {kind} name the "
-                f"{'relocator' if relocator is not None else 'allocator'}'s interference model (NCF) does not know; "
+                f"{whose}'s interference model (NCF) does not know; "
                 f"it knows {known[kind]}. Stage 2 falls back where the name meets a co-runner: no slowdown is "
                 "predicted, so a rank's time line there is left as measured and a free slot there is never chosen. "
                 "HINT: fix the name, or extend the model to it with "

@@ -255,16 +255,9 @@ class PlanningRelocator(Relocator):
         self.check_places(n, places, homes)
         self.decisions += 1
         cost = self.restart_cost if restart_cost is None else check_float("restart_cost", restart_cost, minimum=0.0)
-        own, incoming, unknown, solo = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
-                                                         workload or self.workload, solo)
-        if self.floors:
-            wl = workload or self.workload
-            floors = self.device_floors(devices, corunners, lines, list(planner.plan), wl, solo)
-            for x in incoming:
-                slot = free_slots[x["free_slot"]]
-                f, s = floors.get(slot.get("device")), self.slowdown(slot.get("device"), slot.get("corunner"), wl)
-                if f is not None and s is not None:
-                    x["floor"] = f * s
+        own, incoming, unknown, _ = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
+                                                      workload or self.workload, solo,
+                                                      batches=list(planner.plan) if self.floors else None)
         data_v = np.array([x["data"] for x in own])
         keep = [(x["intercept"], x["slope"]) for x in own]
         self._observe(own, global_batch, places)

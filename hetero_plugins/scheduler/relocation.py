@@ -231,19 +231,21 @@ class Relocator:
     def price_places(self, devices: Sequence[str], corunners: Sequence[str | None],
                      next_corunners: Sequence[str | None], lines: Sequence[tuple[float, float]],
                      free_slots: Sequence[Mapping[str, Any]], data: Sequence[float] | None, workload: str | None,
-                     solo: Mapping[str, tuple[float, float]] | None) -> tuple[
-                         list[dict[str, Any]], list[dict[str, Any]], list[int], Mapping[str, tuple[float, float]]]:
+                     solo: Mapping[str, tuple[float, float]] | None, batches: Sequence[float] | None = None,
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int], Mapping[str, tuple[float, float]]]:
         """What every relocator prices its placements with (arguments as :meth:`propose`): each rank's own place
         next epoch ``{"intercept", "slope", "data", "rank"}`` (its line scaled by the NCF to the co-runner placed
         beside it then), the priced free slots and the indices of those that cannot be priced, and the solo lines
-        they were priced from."""
+        they were priced from. With each rank's current ``batches``, a slot on a device whose ranks show a
+        plateau (:meth:`device_floors`) also carries ``"floor"``: the least compute seconds a step takes there."""
         data_v = np.zeros(len(devices)) if data is None else np.asarray(data, dtype=np.float64)
         factors = self.correction.factors(workload or self.workload, devices, corunners, next_corunners)
         own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
                for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
         if solo is None:
             solo = self.solo_lines(devices, corunners, lines, workload)
-        incoming, unknown = self._free_places(free_slots, solo, workload)
+        floors = {} if batches is None else self.device_floors(devices, corunners, lines, batches, workload, solo)
+        incoming, unknown = self._free_places(free_slots, solo, workload, floors)
         return own, incoming, unknown, solo
 
     @staticmethod
@@ -254,8 +256,10 @@ class Relocator:
                 raise ValueError(f"`{name}` has {len(v)} entries for {n} ranks. HINT: give one place id per rank.")
 
     def _free_places(self, free_slots: Sequence[Mapping[str, Any]], solo: Mapping[str, tuple[float, float]],
-                     workload: str | None) -> tuple[list[dict[str, Any]], list[int]]:
-        """The free slots priced from the solo lines (each with its ``free_slot`` index), and those that cannot be."""
+                     workload: str | None, floors: Mapping[str, float] | None = None,
+                     ) -> tuple[list[dict[str, Any]], list[int]]:
+        """The free slots priced from the solo lines (each with its ``free_slot`` index; ``"floor"`` where its
+        device has one in ``floors``), and those that cannot be."""
         priced, unknown = [], []
         for k, slot in enumerate(free_slots):
             d, c = slot.get("device"), slot.get("corunner")
@@ -266,6 +270,8 @@ class Relocator:
             a, b = solo[d]  # type: ignore[index]
             priced.append({"intercept": a * s, "slope": b * s, "data": float(slot.get("data", 0.0) or 0.0),
                            "rank": None, "free_slot": k})
+            if floors and d in floors:
+                priced[-1]["floor"] = floors[d] * s  # type: ignore[index]
         return priced, unknown
 
     def _choose(self, own: list[dict[str, Any]], incoming: list[dict[str, Any]], unknown: list[int],
