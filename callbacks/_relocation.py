@@ -95,7 +95,7 @@ def adopt_relocation(trainer: pl.Trainer, coordinator: PlanCoordinator, spec: di
     for entry in spec.get("ranks", []):
         r = int(entry["rank"])
         if r in moved and r < planner.world_size and entry.get("line"):
-            planner.seed_model(r, entry["line"])
+            planner.seed_model(r, entry["line"], batch_size=entry.get("batch"))
     coordinator.replan()
     if trainer.is_global_zero:
         log.info("BatchBalancer: resumed after relocating rank(s) %s; plan %s", sorted(moved), planner.plan)

@@ -252,6 +252,31 @@ def test_a_rollout_floor_holds_a_ranks_step_at_its_plateau():
     assert free == [pytest.approx(0.58)] and held == [pytest.approx(2.0)]  # rank 1 at 0.2 s a step, 10 steps
 
 
+def test_a_moved_rank_starts_known_up_to_its_slot_devices_batches():
+    """A slot is priced from its device's ranks' median line, fitted at their batches; a rank that moves there
+    from a slow device starts its model as measured up to those batches, not its own few samples, so the planner
+    hands it a fast rank's share in the first epoch after the move instead of growing it epoch by epoch."""
+    fast, slow = (0.002, 0.0001), (0.002, 0.001)
+    p = _planner([fast, fast, slow, slow], batch=512)
+    devices, corunners = ["fast", "fast", "slow", "slow"], [None] * 4
+    r = PlanningRelocator(restart_cost=0.0)
+    _, incoming, _, _ = r.price_places(devices, corunners, corunners, [fast, fast, slow, slow],
+                                       [{"device": "fast"}], None, None, None, batches=list(p.plan))
+    assert incoming[0]["batch"] == int(np.median(p.plan[:2])) > 4 * p.plan[3]
+    d = r.propose(devices=devices, corunners=corunners, next_corunners=corunners, lines=[fast, fast, slow, slow],
+                  free_slots=[{"device": "fast"}], global_batch=512, steps_per_epoch=10, epochs_left=5, planner=p)
+    assert d.moves == [(3, 0)] and d.batches[3] == incoming[0]["batch"] and d.batches[0] is None
+    lines = [fast, fast, slow, fast]
+    known = rollout_epochs(p, lines, [0.0] * 4, 10, 1, 0.0, seeds={3: (fast, 0.0, d.batches[3])})
+    young = rollout_epochs(p, lines, [0.0] * 4, 10, 1, 0.0, seeds={3: (fast, 0.0)})
+    # The exact split of these lines takes 18.5 ms a step (165 samples a fast rank): the known rank is near it.
+    assert known[0] < 1.03 * 0.185 and young[0] > 1.1 * known[0], (known, young)
+    r.peer_batches = False  # the option off: the moved rank starts at its own batch, as before
+    d = r.propose(devices=devices, corunners=corunners, next_corunners=corunners, lines=[fast, fast, slow, slow],
+                  free_slots=[{"device": "fast"}], global_batch=512, steps_per_epoch=10, epochs_left=5, planner=p)
+    assert d.batches[3] is None
+
+
 PLATEAU = {  # a device that saturates at 34 samples; two data-bound ranks; two slots beside a heavy co-runner
     "name": "plateau", "workload": "dataload_b256",
     "devices": {"gpu0": {"cost_per_sample": 0.0002, "overhead": 0.001, "memory_samples": 150, "saturation": 34}},
@@ -275,7 +300,7 @@ def test_floors_keep_the_planning_relocator_off_slots_a_plateau_makes_slow():
         v = []
         for seed in (0, 1, 2):
             rel = make_relocator("planned", sc, predictor=ncf)
-            rel.floors = floors
+            rel.floors, rel.peer_batches = floors, False  # floors alone (a moved rank's known batch moves seeds)
             v.append(simulate(sc, "equal_finish", seed=seed, relocation=rel)["steady_samples_per_s"])
         runs[floors] = np.array(v)
     assert (runs[True] >= runs[False] * 0.999).all() and runs[True].mean() > 1.04 * runs[False].mean(), runs

@@ -54,6 +54,16 @@ def test_a_written_spec_reads_back_and_a_missing_one_is_a_fresh_start(tmp_path):
     assert read_relocation_spec(tmp_path / "missing.json") is None
 
 
+def test_a_moved_ranks_known_batch_is_written_and_read_back(tmp_path):
+    import dataclasses
+
+    decision = dataclasses.replace(_decision(), batches=[None, 48])
+    with pytest.warns(RuntimeWarning, match="restart spec written"):
+        path = write_relocation_spec(tmp_path / "spec.json", decision, PLACES, FREE, epoch=3)
+    ranks = read_relocation_spec(path, world_size=2)["ranks"]
+    assert ranks[1]["batch"] == 48 and "batch" not in ranks[0]  # only the moved rank's line stands for a batch
+
+
 @pytest.mark.parametrize("text, match", [
     ("", r"is empty\. HINT: .*delete the file to start from scratch"),
     ("   \n", r"is empty"),
@@ -94,6 +104,8 @@ def test_a_spec_that_cannot_be_read_raises(tmp_path):
     (lambda s: s["ranks"][0].update(host="a:4\nb"), r"`ranks\[0\]\.host` is invalid"),
     (lambda s: s["ranks"][0].update(line=[0.1]), r"`ranks\[0\]\.line` is invalid: got \[0\.1\]"),
     (lambda s: s["ranks"][0].update(line=["0.1", 0.2]), r"`ranks\[0\]\.line` is invalid"),
+    (lambda s: s["ranks"][1].update(batch=0), r"`ranks\[1\]\.batch` is invalid: got 0\. HINT: .*int >= 1"),
+    (lambda s: s["ranks"][1].update(batch=12.5), r"`ranks\[1\]\.batch` is invalid: got 12\.5"),
     (lambda s: s["ranks"][0].update({"from": "free_slots[-1]"}), r"`ranks\[0\]\.from` is invalid"),
     (lambda s: s["ranks"].__setitem__(0, "v100"), r"`ranks\[0\]` is invalid: got 'v100'"),
     (lambda s: s.update(ranks={"0": {}}), r"`ranks` is invalid"),

@@ -49,7 +49,8 @@ def slots_moved(before: Sequence[str] | None, hosts: Sequence[str], world_size: 
 
 
 def predicted_lines(restart_spec: str) -> dict[str, Any]:
-    """Each host's predicted ``(intercept, slope)`` line from the restart spec (empty without a spec).
+    """Each host's predicted ``[intercept, slope]`` line from the restart spec, followed by the batch size the line
+    stands for where the spec gives one (empty without a spec).
 
     Rank 0 reads it inside a collective, so a broken spec must not raise on rank 0 alone: it is reported with a
     warning and the moved ranks start from the fallback line instead.
@@ -61,7 +62,8 @@ def predicted_lines(restart_spec: str) -> dict[str, Any]:
     except ValueError as err:
         warnings.warn(f"the restart spec is not used: {err}", RuntimeWarning, stacklevel=2)
         spec = {}
-    return {r.get("host"): r.get("line") for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
+    return {r["host"]: [*r["line"], *([r["batch"]] if r.get("batch") else [])]
+            for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
 
 
 def follow_slots(planner: BalancePlanner, before: Sequence[str], hosts: Sequence[str],
@@ -76,7 +78,7 @@ def follow_slots(planner: BalancePlanner, before: Sequence[str], hosts: Sequence
     for i, key in enumerate(hosts):
         line = None if key in old else predicted.get(key.rsplit("[", 1)[0])
         if line:
-            planner.seed_model(i, line)
+            planner.seed_model(i, line[:2], batch_size=line[2] if len(line) > 2 else None)
 
 
 def relocate_by_hosts_file(restart_spec: str, hosts_file: str | None, info: dict[str, Any], decision: Any,

@@ -86,11 +86,13 @@ def candidate_decision(cand: Mapping[str, Any], incoming: Sequence[Mapping[str, 
     :func:`candidate_actions`): each mover goes to its priced free slot and takes that slot's line, the other
     ranks keep ``lines``."""
     targets: list[int | None] = [None] * len(lines)
+    batches: list[int | None] = [None] * len(lines)
     new_lines = list(lines)
     for i, j in cand["moves"].items():
         targets[i] = incoming[j]["free_slot"]
         new_lines[i] = (incoming[j]["intercept"], incoming[j]["slope"])
-    return Relocation(targets, new_lines, t_cur, cand["t_new"], saved, len(incoming), list(unknown))
+        batches[i] = incoming[j].get("batch")
+    return Relocation(targets, new_lines, t_cur, cand["t_new"], saved, len(incoming), list(unknown), batches)
 
 
 def free_homes(places: Sequence[Any] | None, homes: Sequence[Any] | None, free_slots: Sequence[Mapping[str, Any]],

@@ -90,8 +90,10 @@ def rollout_epochs(planner: Any, lines: Sequence[tuple[float, float]], data: Seq
                          "agree. HINT: give one line and one data time per rank.")
     p = copy.deepcopy(planner)
     if seeds:
-        for i, (line, d) in seeds.items():
-            p.seed_model(int(i), line, data_time=float(d))
+        for i, seed_i in seeds.items():
+            line, d = seed_i[0], seed_i[1]
+            size = seed_i[2] if len(seed_i) > 2 else None
+            p.seed_model(int(i), line, batch_size=None if size is None else int(size), data_time=float(d))
         p.replan()
     a = np.array([x[0] for x in lines], dtype=np.float64)
     b = np.array([x[1] for x in lines], dtype=np.float64)
@@ -170,6 +172,17 @@ class PlanningRelocator(Relocator):
             Validation (3 seeds, against ``floors=False``, the critic's relocator): the default family's first 200
             seeds (165 clusters with churn and free slots) 1.0006x, 15 changed (12 up, 3 down; 0.989x-1.037x);
             the ``shifted`` family's first 80 (66) 0.9999x, 3 changed (0.977x-1.019x).
+        peer_batches: a rank that moves starts its time model as measured up to the median batch of the ranks on
+            its slot's device type (the batches the slot's line was fitted at; ``Relocation.batches``, written to
+            the restart spec as ``"batch"``), in the simulator, the integrations and the rollouts alike. Off, it
+            starts as measured at its own batch only, and the planner, which prices a batch past what a rank has
+            measured in proportion to it (``extrapolate="proportional"``), grows a rank moved from a slow device
+            to a fast one over two or three epochs: a move's gain showed from its second or third epoch
+            (validation ``default-757``: the greedy rule's move of five ranks priced 1.8x faster ran no faster in
+            its first epoch). Validation (3 seeds, the critic's relocator against ``peer_batches=False``): the first
+            100 seeds (80 clusters with churn and free slots) 1.0046x (30 up, 6 down; 0.977x-1.097x), the next
+            100 (85) 1.0040x (32 up, 10 down; 0.985x-1.055x), the worst against no relocation unchanged (0.994x,
+            1.000x); ``auto`` around it, the 48 clusters with free slots among the first 60: 1.0001x (0.978x-1.021x).
 
     Defaults chosen on the validation split (19 clusters with churn and free slots, 3 seeds; mean against the
     greedy rule / mean and worst against no relocation). With ``noise=0.05``, ``horizon`` 1 / 2 / 3 / 4: 1.001 /
@@ -203,9 +216,11 @@ class PlanningRelocator(Relocator):
     def __init__(self, predictor: Any = None, workload: str = "training", restart_cost: float = 60.0,
                  horizon: int = 2, draws: int = 1, noise: float = 0.0, margin: float = 0.0, slowest: int = 6,
                  best_slots: int = 6, critic: RolloutCorrection | str | Path | None = None,
-                 adapt: bool | None = None, tail: float = 0.0, seed: int = 0, floors: bool = True) -> None:
+                 adapt: bool | None = None, tail: float = 0.0, seed: int = 0, floors: bool = True,
+                 peer_batches: bool = True) -> None:
         super().__init__(predictor, workload=workload, restart_cost=restart_cost)
         self.floors = check_bool("floors", floors)
+        self.peer_batches = check_bool("peer_batches", peer_batches)
         self.horizon = check_int("horizon", horizon, minimum=1, hint="e.g. 4")
         self.draws = check_int("draws", draws, minimum=1, hint="e.g. 2")
         self.noise = check_float("noise", noise, minimum=0.0, hint="e.g. 0.05")
@@ -257,7 +272,12 @@ class PlanningRelocator(Relocator):
         cost = self.restart_cost if restart_cost is None else check_float("restart_cost", restart_cost, minimum=0.0)
         own, incoming, unknown, _ = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
                                                       workload or self.workload, solo,
-                                                      batches=list(planner.plan) if self.floors else None)
+                                                      batches=list(planner.plan))
+        for slot in incoming:  # what the options leave out of the slots' prices
+            if not self.floors:
+                slot.pop("floor", None)
+            if not self.peer_batches:
+                slot.pop("batch", None)
         data_v = np.array([x["data"] for x in own])
         keep = [(x["intercept"], x["slope"]) for x in own]
         self._observe(own, global_batch, places)
@@ -329,7 +349,7 @@ class PlanningRelocator(Relocator):
                     slot = incoming[s]
                     new_lines[i] = (slot["intercept"], slot["slope"])
                     new_data[i] = slot["data"]
-                    moved[i] = (new_lines[i], slot["data"])
+                    moved[i] = (new_lines[i], slot["data"], slot.get("batch"))
                     if slot.get("floor"):
                         floors[i] = slot["floor"]
                 t = played(rollout_epochs(planner, new_lines, new_data, steps, horizon, self.noise, seed, seeds=moved,

@@ -64,6 +64,9 @@ class Relocation:
         step_time: predicted step time after the moves (equal to ``current_step_time`` when nobody moves).
         saved_seconds: predicted seconds saved over the horizon, restart cost deducted (``<= 0``: stay).
         considered: placements compared (0 when no free slot could be evaluated).
+        unknown_slots: the free slots that could not be priced.
+        batches: per rank that moves, the batch size its predicted line stands for (``None``, or no entry: its
+            current batch); see :meth:`Relocator.price_places`.
     """
 
     targets: list[int | None]
@@ -73,6 +76,7 @@ class Relocation:
     saved_seconds: float = 0.0
     considered: int = 0
     unknown_slots: list[int] = field(default_factory=list)
+    batches: list[int | None] = field(default_factory=list)
 
     @property
     def moves(self) -> list[tuple[int, int]]:
@@ -237,7 +241,9 @@ class Relocator:
         next epoch ``{"intercept", "slope", "data", "rank"}`` (its line scaled by the NCF to the co-runner placed
         beside it then), the priced free slots and the indices of those that cannot be priced, and the solo lines
         they were priced from. With each rank's current ``batches``, a slot on a device whose ranks show a
-        plateau (:meth:`device_floors`) also carries ``"floor"``: the least compute seconds a step takes there."""
+        plateau (:meth:`device_floors`) also carries ``"floor"``: the least compute seconds a step takes there,
+        and every other slot ``"batch"``: the median batch of the ranks on its device type, the batches its line
+        was fitted at (a rank that moves there starts its time model as measured up to that batch, not its own)."""
         data_v = np.zeros(len(devices)) if data is None else np.asarray(data, dtype=np.float64)
         factors = self.correction.factors(workload or self.workload, devices, corunners, next_corunners)
         own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
@@ -246,6 +252,14 @@ class Relocator:
             solo = self.solo_lines(devices, corunners, lines, workload)
         floors = {} if batches is None else self.device_floors(devices, corunners, lines, batches, workload, solo)
         incoming, unknown = self._free_places(free_slots, solo, workload, floors)
+        if batches is not None:
+            known: dict[str, list[float]] = {}
+            for d, p in zip(devices, batches):
+                known.setdefault(d, []).append(float(p))
+            for slot in incoming:
+                d = free_slots[slot["free_slot"]].get("device")
+                if d in known and "floor" not in slot:  # on a plateau the line holds at no batch
+                    slot["batch"] = max(1, int(np.median(known[d])))
         return own, incoming, unknown, solo
 
     @staticmethod

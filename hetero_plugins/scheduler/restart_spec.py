@@ -88,7 +88,8 @@ def write_relocation_spec(path: str | Path, decision: RelocationDecision, places
 
     The spec lists every rank's place after the move (its ``device``, ``corunner`` and, where the cluster
     description gives them, ``host`` and ``index``; ``from`` is ``"own"`` or ``"free_slots[k]"``) with its
-    predicted time line, the moves, the predicted step times and the seconds saved over the horizon, plus
+    predicted time line (and, for a moved rank, ``batch``: the batch size that line stands for, where the decision
+    gives one), the moves, the predicted step times and the seconds saved over the horizon, plus
     ``extra`` (e.g. the checkpoint of a relocation restart). The spec is checked as :func:`read_relocation_spec`
     checks it before anything is written, and the file is replaced atomically through a temporary file of a
     random name in its directory (a file or symlink planted at a predictable name is never written through).
@@ -115,6 +116,9 @@ def write_relocation_spec(path: str | Path, decision: RelocationDecision, places
         place.pop("data", None)
         ranks.append({"rank": r, **place, "from": "own" if target is None else f"free_slots[{int(target)}]",
                       "line": [float(x) for x in decision.lines[r]]})
+        known = getattr(decision, "batches", None) or []
+        if target is not None and r < len(known) and known[r] is not None:
+            ranks[-1]["batch"] = int(known[r])  # the batch size the predicted line stands for
     spec = {"epoch": epoch, "predicted_gain": decision.predicted_gain,
             "current_step_time_s": decision.current_step_time, "predicted_step_time_s": decision.step_time,
             "saved_seconds": decision.saved_seconds, "ranks": ranks,
@@ -216,6 +220,9 @@ def check_relocation_spec(spec: Any, label: str, world_size: int | None = None,
         line = entry.get("line")
         if not isinstance(line, list) or len(line) != 2 or not all(_is_number(x) for x in line):
             raise bad(f"{where}.line", line, "a line is [intercept, slope], two finite numbers")
+        batch = entry.get("batch")
+        if batch is not None and (not _is_int(batch) or batch < 1):
+            raise bad(f"{where}.batch", batch, "the batch size a moved rank's line stands for is an int >= 1")
     moves = spec.get("moves", [])
     if not isinstance(moves, list):
         raise bad("moves", moves, 'use a list of {"rank": r, "to_free_slot": k}')

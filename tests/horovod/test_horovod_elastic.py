@@ -184,3 +184,6 @@ def test_after_a_reset_each_slot_keeps_its_time_model_and_its_wait_for_data():
     assert p.data_time == pytest.approx([0.01, 0.0])
     assert p.models[0].params().slope == pytest.approx(0.0025)
     assert p.models[1].params().slope == pytest.approx(0.001)
+    # A predicted line that stands for a batch size (the restart spec's "batch") is known up to it.
+    follow_slots(p, ["b[0]", "c[0]"], ["b[0]", "d[0]"], {"d": [0.001, 0.001, 24]})
+    assert p.models[1].params().slope == pytest.approx(0.001) and p._bank.measured_max()[1] == 24

@@ -303,7 +303,8 @@ class SimulationRun:
             for i, k in decision.moves:
                 r, p = int(act[i]), free[k]
                 self.where[r] = p
-                planner.seed_model(i, decision.lines[i], data_time=float(d_p[p]))
+                known = decision.batches[i] if i < len(decision.batches) else None
+                planner.seed_model(i, decision.lines[i], batch_size=known, data_time=float(d_p[p]))
                 self.measured_co[r] = co_next[p]
             here = np.array([self.where[int(r)] for r in act], dtype=np.int64)
             planner.memory_caps = [self.pcaps[p] for p in here]
