@@ -179,10 +179,12 @@ class PlanningRelocator(Relocator):
             measured in proportion to it (``extrapolate="proportional"``), grows a rank moved from a slow device
             to a fast one over two or three epochs: a move's gain showed from its second or third epoch
             (validation ``default-757``: the greedy rule's move of five ranks priced 1.8x faster ran no faster in
-            its first epoch). Validation (3 seeds, the critic's relocator against ``peer_batches=False``): the first
-            100 seeds (80 clusters with churn and free slots) 1.0046x (30 up, 6 down; 0.977x-1.097x), the next
-            100 (85) 1.0040x (32 up, 10 down; 0.985x-1.055x), the worst against no relocation unchanged (0.994x,
-            1.000x); ``auto`` around it, the 48 clusters with free slots among the first 60: 1.0001x (0.978x-1.021x).
+            its first epoch). A slot whose device shows a plateau floor names no batch (its line holds at none).
+            Validation (3 seeds, the critic's relocator against ``peer_batches=False``): the first 100 seeds (80
+            clusters with churn and free slots) 1.0045x (30 up, 6 down; 0.977x-1.097x), the next 100 (85)
+            1.0039x (31 up, 10 down; 0.985x-1.055x), the worst against no relocation unchanged (0.994x, 1.000x);
+            ``auto`` around it (before the plateau exception, which changed 7 + 7 of those clusters by at most
+            0.4%), the 48 clusters with free slots among the first 60: 1.0001x (0.978x-1.021x).
 
     Defaults chosen on the validation split (19 clusters with churn and free slots, 3 seeds; mean against the
     greedy rule / mean and worst against no relocation). With ``noise=0.05``, ``horizon`` 1 / 2 / 3 / 4: 1.001 /
