@@ -59,8 +59,9 @@ def planner_rollout(planner: Any, lines: Sequence[tuple[float, float]], data: Se
         noise: log-standard deviation of each step's compute time (lognormal, per rank and step).
         seed: the noise draws (use the same one for the alternatives compared: common random numbers).
         seeds: ranks that move: ``{rank: ((intercept, slope), data)}``, the predicted line and data time their
-            models start from at the new place (as the integrations and the simulator do after a restart);
-            the planner then re-plans before the first epoch.
+            models start from at the new place (as the integrations and the simulator do after a restart); a
+            third entry, ``((intercept, slope), data, batch)``, is the batch the line stands for (``None``: the
+            rank's current batch); the planner then re-plans before the first epoch.
 
     The all-reduce time and the restart cost are the same for every alternative and left out.
 
