@@ -151,14 +151,18 @@ def test_backlog_rerouting_keeps_the_global_batch():
 
 
 def test_wbsp_ranks_share_a_step_through_a_tcp_store_each_unit_once():
-    """Two threads play two ranks of one wbsp step; rank 1 is 6x slower per sample, so rank 0 steals."""
+    """Two threads play two ranks of one wbsp step; rank 1 is 25x slower per sample, so rank 0 steals.
+
+    The slow rank's own share takes 0.8 s against the fast rank's 32 ms, and both start together at a barrier
+    (after the client store connects), so the stealing does not hang on scheduling noise of a busy machine."""
     import threading
     import time
 
     from hetero_plugins.aggregation.wbsp import wbsp_micro_batches
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    counts, parts, cost = [16, 16], 8, [0.001, 0.006]
+    counts, parts, cost = [16, 16], 8, [0.002, 0.05]
+    ready = threading.Barrier(2, timeout=20)
     batches = [torch.arange(16) + 16 * r for r in range(2)]  # sample ids: rank r's share is 16r .. 16r+15
     seen: list[list[int]] = [[], []]
 
@@ -172,6 +176,7 @@ def test_wbsp_ranks_share_a_step_through_a_tcp_store_each_unit_once():
             lo = sum(sizes[:index])
             return batches[owner][lo : lo + sizes[index]], sizes[index]
 
+        ready.wait()
         for mb in wbsp_micro_batches(batches[rank], counts, parts, rank, claims, load, [1 / cost[0], 1 / cost[1]]):
             time.sleep(cost[rank] * mb.samples)
             seen[rank] += mb.data.tolist()
