@@ -243,6 +243,23 @@ def test_device_floors_read_a_plateau_from_the_small_ranks_and_not_from_one_rank
     assert r.device_floors(devices, corunners, plateau, [60] * 6) == {}
 
 
+def test_a_plateau_slot_carries_its_floor_and_no_batch_and_the_options_leave_either_out():
+    r = Relocator()
+    devices, corunners = ["gpu"] * 6, [None] * 6
+    plateau, plan = [(0.001, 0.0002)] * 4 + [(0.0, 0.004)] * 2, [60] * 4 + [2, 2]
+
+    def slot(**options):
+        _, incoming, _, _ = r.price_places(devices, corunners, corunners, plateau, [{"device": "gpu"}], None, None,
+                                           None, batches=plan, **options)
+        return {k: incoming[0][k] for k in ("floor", "batch") if k in incoming[0]}
+
+    assert slot() == {"floor": pytest.approx(0.008)}  # on a plateau the line holds at no batch
+    assert slot(floors=False) == {"batch": 60}  # priced by its line, known up to its device's median batch
+    assert slot(floors=False, peer_batches=False) == {}
+    with pytest.raises(ValueError, match="floors"):
+        slot(floors="yes")
+
+
 def test_a_rollout_floor_holds_a_ranks_step_at_its_plateau():
     p = BalancePlanner(2, 64, extrapolate="line")
     p.seed_model(0, (0.01, 0.001)); p.seed_model(1, (0.01, 0.003)); _ = p.replan()  # noqa: E702
@@ -250,6 +267,10 @@ def test_a_rollout_floor_holds_a_ranks_step_at_its_plateau():
     free = rollout_epochs(p, lines, [0.0, 0.0], steps=10, horizon=1, noise=0.0)
     held = rollout_epochs(p, lines, [0.0, 0.0], steps=10, horizon=1, noise=0.0, floors={1: 0.2})
     assert free == [pytest.approx(0.58)] and held == [pytest.approx(2.0)]  # rank 1 at 0.2 s a step, 10 steps
+    with pytest.raises(ValueError, match=r"`floors` names \[2\].*0 to 1"):
+        rollout_epochs(p, lines, [0.0, 0.0], steps=10, horizon=1, floors={2: 0.2})
+    with pytest.raises(ValueError, match="`seeds` names"):
+        rollout_epochs(p, lines, [0.0, 0.0], steps=10, horizon=1, seeds={-1: ((0.01, 0.001), 0.0)})
 
 
 def test_a_moved_rank_starts_known_up_to_its_slot_devices_batches():

@@ -78,10 +78,11 @@ def planner_rollout(planner: Any, lines: Sequence[tuple[float, float]], data: Se
 
 def rollout_epochs(planner: Any, lines: Sequence[tuple[float, float]], data: Sequence[float], steps: int,
                    horizon: int, noise: float = 0.05, seed: int = 0,
-                   seeds: Mapping[int, tuple[tuple[float, float], float]] | None = None,
+                   seeds: Mapping[int, tuple[Any, ...]] | None = None,
                    floors: Mapping[int, float] | None = None) -> list[float]:
-    """:func:`planner_rollout` epoch by epoch: the seconds of each of the ``horizon`` epochs played (``floors``:
-    ranks whose step takes at least that many compute seconds at any batch, a plateau)."""
+    """:func:`planner_rollout` epoch by epoch: the seconds of each of the ``horizon`` epochs played (``seeds``: per
+    moved rank ``(line, data seconds[, batch its line is known up to])``, seeded before the first epoch;
+    ``floors``: ranks whose step takes at least that many compute seconds at any batch, a plateau)."""
     n = len(lines)
     check_int("steps", steps, minimum=1, hint="e.g. 20")
     check_int("horizon", horizon, minimum=1, hint="e.g. 4")
@@ -89,6 +90,12 @@ def rollout_epochs(planner: Any, lines: Sequence[tuple[float, float]], data: Seq
     if len(data) != n or planner.world_size != n:
         raise ValueError(f"`lines` ({n}), `data` ({len(data)}) and the planner ({planner.world_size} ranks) must "
                          "agree. HINT: give one line and one data time per rank.")
+    for name, given in (("seeds", seeds), ("floors", floors)):
+        bad = [i for i in (given or {})
+               if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"`{name}` names {bad}, which are not ranks of these {n} lines. HINT: key it by rank "
+                             f"index, 0 to {n - 1}.")
     p = copy.deepcopy(planner)
     if seeds:
         for i, seed_i in seeds.items():
@@ -275,12 +282,8 @@ class PlanningRelocator(Relocator):
         cost = self.restart_cost if restart_cost is None else check_float("restart_cost", restart_cost, minimum=0.0)
         own, incoming, unknown, _ = self.price_places(devices, corunners, next_corunners, lines, free_slots, data,
                                                       workload or self.workload, solo,
-                                                      batches=list(planner.plan))
-        for slot in incoming:  # what the options leave out of the slots' prices
-            if not self.floors:
-                slot.pop("floor", None)
-            if not self.peer_batches:
-                slot.pop("batch", None)
+                                                      batches=list(planner.plan), floors=self.floors,
+                                                      peer_batches=self.peer_batches)
         data_v = np.array([x["data"] for x in own])
         keep = [(x["intercept"], x["slope"]) for x in own]
         self._observe(own, global_batch, places)

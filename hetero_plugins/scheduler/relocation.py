@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins._validation import check_float, check_int
+from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.scheduler.interference import InterferenceCorrection, interference_correction
 from hetero_plugins.scheduler.ncf import InterferencePredictor
@@ -236,30 +236,33 @@ class Relocator:
                      next_corunners: Sequence[str | None], lines: Sequence[tuple[float, float]],
                      free_slots: Sequence[Mapping[str, Any]], data: Sequence[float] | None, workload: str | None,
                      solo: Mapping[str, tuple[float, float]] | None, batches: Sequence[float] | None = None,
-                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int], Mapping[str, tuple[float, float]]]:
+                     floors: bool = True, peer_batches: bool = True,
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int],
+                                Mapping[str, tuple[float, float]]]:
         """What every relocator prices its placements with (arguments as :meth:`propose`): each rank's own place
         next epoch ``{"intercept", "slope", "data", "rank"}`` (its line scaled by the NCF to the co-runner placed
         beside it then), the priced free slots and the indices of those that cannot be priced, and the solo lines
         they were priced from. With each rank's current ``batches``, a slot on a device whose ranks show a
         plateau (:meth:`device_floors`) also carries ``"floor"``: the least compute seconds a step takes there,
         and every other slot ``"batch"``: the median batch of the ranks on its device type, the batches its line
-        was fitted at (a rank that moves there starts its time model as measured up to that batch, not its own)."""
+        was fitted at (a rank that moves there starts its time model as measured up to that batch, not its own).
+        ``floors=False`` leaves out the floors (every slot is then priced by its line, and gets a batch), and
+        ``peer_batches=False`` the batches."""
         data_v = np.zeros(len(devices)) if data is None else np.asarray(data, dtype=np.float64)
         factors = self.correction.factors(workload or self.workload, devices, corunners, next_corunners)
         own = [{"intercept": float(a * f), "slope": float(b * f), "data": float(d), "rank": i}
                for i, ((a, b), f, d) in enumerate(zip(lines, factors, data_v))]
         if solo is None:
             solo = self.solo_lines(devices, corunners, lines, workload)
-        floors = {} if batches is None else self.device_floors(devices, corunners, lines, batches, workload, solo)
-        incoming, unknown = self._free_places(free_slots, solo, workload, floors)
-        if batches is not None:
-            known: dict[str, list[float]] = {}
-            for d, p in zip(devices, batches):
-                known.setdefault(d, []).append(float(p))
+        read_floors = batches is not None and check_bool("floors", floors)
+        device_floors = self.device_floors(devices, corunners, lines, batches, workload, solo) if read_floors else {}
+        incoming, unknown = self._free_places(free_slots, solo, workload, device_floors)
+        if batches is not None and check_bool("peer_batches", peer_batches):
+            median = {d: max(1, int(np.median([p for e, p in zip(devices, batches) if e == d]))) for d in set(devices)}
             for slot in incoming:
                 d = free_slots[slot["free_slot"]].get("device")
-                if d in known and "floor" not in slot:  # on a plateau the line holds at no batch
-                    slot["batch"] = max(1, int(np.median(known[d])))
+                if d in median and "floor" not in slot:  # on a plateau the line holds at no batch
+                    slot["batch"] = median[d]
         return own, incoming, unknown, solo
 
     @staticmethod
