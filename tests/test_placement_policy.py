@@ -422,3 +422,25 @@ def test_adapt_asks_later_moves_to_beat_the_shortfall_of_the_last():
         LearnedRelocator(adapt="yes")
     with pytest.raises(ValueError, match="adapt_span"):
         LearnedRelocator(adapt_span=0)
+
+
+def test_a_moved_rank_of_the_q_network_starts_known_up_to_its_slot_devices_batches():
+    """Given the planner (the simulator and the cluster advisor pass it), the Q-network's moves name the batch
+    their slot's line stands for, the median batch of the ranks on the slot's device type, as the planning
+    relocator's do; without the planner, or with ``peer_batches=False``, the moved rank keeps its own batch."""
+    from hetero_plugins.balancing.planner import BalancePlanner
+
+    fast, slow = (0.002, 0.0001), (0.002, 0.001)
+    p = BalancePlanner(4, 512)
+    for i, line in enumerate([fast, fast, slow, slow]):
+        p.seed_model(i, line)
+    p.replan()
+    devices, corunners = ["fast", "fast", "slow", "slow"], [None] * 4
+    kw = dict(devices=devices, corunners=corunners, next_corunners=corunners, lines=[fast, fast, slow, slow],
+              free_slots=[{"device": "fast"}], global_batch=512, steps_per_epoch=10, epochs_left=5)
+    d = LearnedRelocator(restart_cost=0.0).propose(**kw, planner=p)
+    assert d.moves == [(3, 0)] and d.batches == [None, None, None, int(np.median(p.plan[:2]))] and p.plan[3] < 30
+    assert LearnedRelocator(restart_cost=0.0).propose(**kw).batches == [None] * 4
+    assert LearnedRelocator(restart_cost=0.0, peer_batches=False).propose(**kw, planner=p).batches == [None] * 4
+    with pytest.raises(ValueError, match="peer_batches"):
+        LearnedRelocator(peer_batches="yes")
