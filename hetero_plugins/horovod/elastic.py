@@ -49,8 +49,8 @@ def slots_moved(before: Sequence[str] | None, hosts: Sequence[str], world_size: 
 
 
 def predicted_lines(restart_spec: str) -> dict[str, Any]:
-    """Each host's predicted ``[intercept, slope]`` line from the restart spec, followed by the batch size the line
-    stands for where the spec gives one (empty without a spec).
+    """Each host's entry of the restart spec: ``{"line": [intercept, slope], "batch": the batch size the line stands
+    for, or None}`` (empty without a spec).
 
     Rank 0 reads it inside a collective, so a broken spec must not raise on rank 0 alone: it is reported with a
     warning and the moved ranks start from the fallback line instead.
@@ -62,23 +62,23 @@ def predicted_lines(restart_spec: str) -> dict[str, Any]:
     except ValueError as err:
         warnings.warn(f"the restart spec is not used: {err}", RuntimeWarning, stacklevel=2)
         spec = {}
-    return {r["host"]: [*r["line"], *([r["batch"]] if r.get("batch") else [])]
+    return {r["host"]: {"line": r["line"], "batch": r.get("batch")}
             for r in spec.get("ranks", []) if r.get("host") and r.get("line")}
 
 
 def follow_slots(planner: BalancePlanner, before: Sequence[str], hosts: Sequence[str],
                  predicted: Mapping[str, Any]) -> None:
     """Give rank i the time model of slot ``hosts[i]`` (from ``before``, rank order of the last boundary); a
-    slot without one starts fresh, from its host's ``predicted`` line if there is one."""
+    slot without one starts fresh, from its host's ``predicted`` entry (:func:`predicted_lines`) if there is one."""
     old = dict(zip(before, planner.models))
     waits = dict(zip(before, planner.data_time))  # a slot's wait for data follows it too (0 for a new one)
     fresh = [LinearTimeModel(half_life=m.half_life) for m in planner.models]
     planner.models = [old.get(key, fresh[i]) for i, key in enumerate(hosts)]
     planner.data_time = [waits.get(key, 0.0) for key in hosts]
     for i, key in enumerate(hosts):
-        line = None if key in old else predicted.get(key.rsplit("[", 1)[0])
-        if line:
-            planner.seed_model(i, line[:2], batch_size=line[2] if len(line) > 2 else None)
+        entry = None if key in old else predicted.get(key.rsplit("[", 1)[0])
+        if entry:
+            planner.seed_model(i, entry["line"], batch_size=entry.get("batch"))
 
 
 def relocate_by_hosts_file(restart_spec: str, hosts_file: str | None, info: dict[str, Any], decision: Any,

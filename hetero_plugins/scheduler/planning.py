@@ -98,10 +98,9 @@ def rollout_epochs(planner: Any, lines: Sequence[tuple[float, float]], data: Seq
                              f"index, 0 to {n - 1}.")
     p = copy.deepcopy(planner)
     if seeds:
-        for i, seed_i in seeds.items():
-            line, d = seed_i[0], seed_i[1]
-            size = seed_i[2] if len(seed_i) > 2 else None
-            p.seed_model(int(i), line, batch_size=None if size is None else int(size), data_time=float(d))
+        for i, (line, d, *size) in seeds.items():
+            known = size[0] if size else None
+            p.seed_model(int(i), line, batch_size=None if known is None else int(known), data_time=float(d))
         p.replan()
     a = np.array([x[0] for x in lines], dtype=np.float64)
     b = np.array([x[1] for x in lines], dtype=np.float64)

@@ -258,11 +258,13 @@ class Relocator:
         device_floors = self.device_floors(devices, corunners, lines, batches, workload, solo) if read_floors else {}
         incoming, unknown = self._free_places(free_slots, solo, workload, device_floors)
         if batches is not None and check_bool("peer_batches", peer_batches):
-            median = {d: max(1, int(np.median([p for e, p in zip(devices, batches) if e == d]))) for d in set(devices)}
+            by_device: dict[str, list[float]] = {}
+            for d, p in zip(devices, batches):
+                by_device.setdefault(d, []).append(float(p))
             for slot in incoming:
                 d = free_slots[slot["free_slot"]].get("device")
-                if d in median and "floor" not in slot:  # on a plateau the line holds at no batch
-                    slot["batch"] = median[d]
+                if d in by_device and "floor" not in slot:  # on a plateau the line holds at no batch
+                    slot["batch"] = max(1, int(np.median(by_device[d])))
         return own, incoming, unknown, solo
 
     @staticmethod

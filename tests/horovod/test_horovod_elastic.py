@@ -180,10 +180,10 @@ def test_after_a_reset_each_slot_keeps_its_time_model_and_its_wait_for_data():
     rec[:, :, 0], rec[0, :, 1], rec[1, :, 1], rec[1, :, 2] = 16, 0.02, 0.04, 0.01
     p.observe(rec)
     assert p.data_time == pytest.approx([0.0, 0.01])
-    follow_slots(p, ["a[0]", "b[0]"], ["b[0]", "c[0]"], {"c": (0.001, 0.001)})
+    follow_slots(p, ["a[0]", "b[0]"], ["b[0]", "c[0]"], {"c": {"line": (0.001, 0.001)}})
     assert p.data_time == pytest.approx([0.01, 0.0])
     assert p.models[0].params().slope == pytest.approx(0.0025)
     assert p.models[1].params().slope == pytest.approx(0.001)
     # A predicted line that stands for a batch size (the restart spec's "batch") is known up to it.
-    follow_slots(p, ["b[0]", "c[0]"], ["b[0]", "d[0]"], {"d": [0.001, 0.001, 24]})
+    follow_slots(p, ["b[0]", "c[0]"], ["b[0]", "d[0]"], {"d": {"line": [0.001, 0.001], "batch": 24}})
     assert p.models[1].params().slope == pytest.approx(0.001) and p._bank.measured_max()[1] == 24
