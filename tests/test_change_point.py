@@ -189,6 +189,23 @@ def test_state_round_trip_keeps_held_back_steps_and_reads_the_old_format():
     assert legacy.predict(64) == pytest.approx(0.138, rel=0.01)
 
 
+def test_a_checkpoint_taken_right_after_a_change_inside_the_fitted_sizes_resumes():
+    # A change found between the sizes kappa was fitted on keeps kappa but drops its interval until the new
+    # regime's first line; a checkpoint taken then (a Lightning resume did so under horovodrun) must load.
+    m, noise = solo_model(0)
+    for _ in range(8):
+        m.observe(100, true_time(100, SLOW) * noise())
+    state = m.state_dict()
+    assert m.change_points == 1 and state["kappa"] is not None and state["kappa_interval"] is None
+    twin = LinearTimeModel()
+    twin.load_state_dict(state)
+    assert twin.params() == m.params() and twin.change_points == 1
+    for b in (100, 60, 100, 60):
+        m.observe(b, true_time(b, SLOW))
+        twin.observe(b, true_time(b, SLOW))
+    assert twin.params() == m.params()
+
+
 def test_copies_are_standalone():
     bank = TimeModelBank(2)
     bank.observe(np.array([[32.0] * 4, [64.0] * 4]), np.array([[0.03] * 4, [0.05] * 4]))

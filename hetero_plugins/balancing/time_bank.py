@@ -484,7 +484,8 @@ class TimeModelBank:
             self._gb[i, g], self._gy[i, g], self._gw[i, g] = b, y, w
         if state.get("kappa") is not None:
             self._kappa[i] = state["kappa"]
-            self._klo[i], self._khi[i] = state["kappa_interval"]
+            # No interval with a kappa: a change point kept kappa and the new regime has no line yet.
+            self._klo[i], self._khi[i] = state.get("kappa_interval") or (np.nan, np.nan)
             self._kprec[i], self._ktick[i], self._seen[i] = state.get("kappa_precision", (0.0, 0.0, 0.0))
             self._kbmin[i], self._kbmax[i] = state.get("kappa_sizes", (np.inf, -np.inf))
         if state.get("noise") is not None:
