@@ -18,6 +18,7 @@ constant.
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 from typing import Any
 
@@ -103,11 +104,26 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._place_relocated_rank()
+        self._unshare_module_memory()
         super().setup_environment()
         # Release the process group before the interpreter's own teardown: left to static destructors, gloo's
         # threads occasionally abort a spawned worker at exit ("terminate called without an active exception")
         # after training has finished.
         release_process_group_at_exit()
+
+    def _unshare_module_memory(self) -> None:
+        """Give this rank its own copy of the module's CPU parameters and buffers where the launcher shared them.
+
+        ``torch.multiprocessing`` passes every tensor it pickles to a new process in shared memory. Lightning
+        copies a module's tensors out again under ``start_method="spawn"`` (Lightning-AI/pytorch-lightning#18238)
+        but not under ``"forkserver"``, where the ranks on one host would then all step on one set of weights."""
+        module = self._lightning_module
+        if module is None:
+            return
+        with torch.no_grad():
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                if tensor.device.type == "cpu" and tensor.is_shared():
+                    tensor.data = tensor.data.clone()
 
     def _place_relocated_rank(self) -> None:
         """After a relocation restart, run this rank on the accelerator ``index`` its slot names (same host)."""

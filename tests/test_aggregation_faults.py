@@ -33,6 +33,7 @@ import lightning.pytorch as pl
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.aggregation.wbsp import ClaimError
 from hetero_plugins.strategies import HeteroDDPStrategy
+from tests.helpers.distributed import START_METHOD
 from tests.lightning_jobs import IndexedDigitsMLP, Report, read_reports
 from tests.test_aggregation_core import FixedTimes, run_engine
 
@@ -141,7 +142,7 @@ def test_claims_under_the_old_key_scheme_change_nothing(tmp_path):
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        strategy=HeteroDDPStrategy(start_method="spawn", aggregation=AggregationOptions("wbsp", micro_batches=2),
+        strategy=HeteroDDPStrategy(start_method=START_METHOD, aggregation=AggregationOptions("wbsp", micro_batches=2),
                                    replan_every=None),
         callbacks=[PreClaim(), Report(str(tmp_path))], default_root_dir=str(tmp_path),
     )

@@ -21,6 +21,7 @@ from hetero_plugins.callbacks import HeterogeneityEmulator
 from hetero_plugins.emulation import Stall
 from hetero_plugins.balancing.partition import ddp_order, epoch_layout
 from hetero_plugins.strategies import HeteroDDPStrategy
+from tests.helpers.distributed import START_METHOD
 from tests.lightning_jobs import IndexedDigitsMLP, Report, read_reports
 
 pytestmark = pytest.mark.distributed
@@ -32,7 +33,7 @@ def fit(tmp_path, aggregation, epochs=1, speeds=(1.0, 0.25), stalls=None, cost=0
     pl.seed_everything(0)
     model = IndexedDigitsMLP(batch_size=BATCH)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    strategy = HeteroDDPStrategy(start_method="spawn", aggregation=aggregation, **kw)
+    strategy = HeteroDDPStrategy(start_method=START_METHOD, aggregation=aggregation, **kw)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, strategy=strategy,
@@ -205,7 +206,7 @@ def test_option_of_another_mode_is_refused():
 
 
 def test_gradient_accumulation_is_refused_by_explicit_modes(tmp_path):
-    strategy = HeteroDDPStrategy(start_method="spawn", aggregation="deadline")
+    strategy = HeteroDDPStrategy(start_method=START_METHOD, aggregation="deadline")
     trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, num_sanity_val_steps=0, strategy=strategy,
                          accumulate_grad_batches=2, default_root_dir=str(tmp_path))

@@ -14,9 +14,15 @@ from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator, Strag
 from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
 from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.apps.digits import digits_datasets
+from tests.helpers.distributed import START_METHOD
 from tests.lightning_jobs import DigitsMLP, Report, read_reports
 
 pytestmark = pytest.mark.distributed
+
+
+def forked(**kw) -> HeteroDDPStrategy:
+    """The strategy with its ranks forked from the test session's fork server (tests/helpers/distributed.py)."""
+    return HeteroDDPStrategy(start_method=START_METHOD, **kw)
 
 
 def trainer(tmp_path, strategy, callbacks, **kw):
@@ -57,7 +63,7 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
     pl.seed_everything(0)
     model = DigitsMLP(batch_size=16)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    t = trainer(tmp_path, "hetero_ddp_spawn",
+    t = trainer(tmp_path, forked(),
                 [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)], max_epochs=3)
     t.fit(model)
     reports = read_reports(str(tmp_path), 2)
@@ -106,7 +112,7 @@ def test_a_rank_waiting_for_its_batches_gets_fewer_samples(tmp_path):
     from tests.lightning_jobs import SlowInputDigitsMLP
 
     pl.seed_everything(0)
-    t = trainer(tmp_path, HeteroDDPStrategy(start_method="spawn"),
+    t = trainer(tmp_path, forked(),
                 [HeterogeneityEmulator([1.0, 1.0], cost_per_sample=0.002)], max_epochs=2, limit_train_batches=20)
     t.fit(SlowInputDigitsMLP(wait=0.03, batch_size=16))
     hist = read_reports(str(tmp_path), 2)[0]["plan_history"]
@@ -139,14 +145,14 @@ def test_resume_keeps_plan_and_time_models(tmp_path):
     first.mkdir()
     emu = HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True)
-    t = trainer(first, "hetero_ddp_spawn", [emu, ckpt], max_epochs=2, enable_checkpointing=True,
+    t = trainer(first, forked(), [emu, ckpt], max_epochs=2, enable_checkpointing=True,
                 limit_train_batches=15, limit_val_batches=2)
     t.fit(DigitsMLP(batch_size=16))
     saved = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["callbacks"]["BatchBalancer"]["planner"]
     assert len(saved["history"]) == 2 and all(len(m["observations"]) > 0 for m in saved["models"])
     second = tmp_path / "second"
     second.mkdir()
-    t2 = trainer(second, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)],
+    t2 = trainer(second, forked(), [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)],
                  max_epochs=3, limit_train_batches=15, limit_val_batches=2)
     t2.fit(DigitsMLP(batch_size=16), ckpt_path=str(ckpt_dir / "last.ckpt"))
     hist = read_reports(str(second), 2)[0]["plan_history"]
@@ -158,6 +164,7 @@ def test_weighted_random_sampler_reports_no_plan_applied(tmp_path, capfd):
     from tests.balancer_jobs import StepLogMLP
 
     pl.seed_everything(0)
+    # "spawn": the ranks' stderr is the test's (a fork server's ranks write to the server's)
     t = trainer(tmp_path, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)],
                 max_epochs=2, limit_val_batches=0)
     t.fit(StepLogMLP(str(tmp_path), loader="weighted", batch_size=16))
@@ -179,7 +186,7 @@ def test_gradient_accumulation_mixed_precision_and_batchnorm_warning(tmp_path):
     from hetero_plugins.apps.digits import DigitsCNN
 
     pl.seed_everything(0)
-    t = trainer(tmp_path, HeteroDDPStrategy(start_method="spawn", min_batch_size=2),
+    t = trainer(tmp_path, forked(min_batch_size=2),
                 [HeterogeneityEmulator([1.0, 0.5], cost_per_sample=0.002)],
                 max_epochs=2, accumulate_grad_batches=2, limit_train_batches=10, precision="bf16-mixed")
     with pytest.warns(RuntimeWarning, match="BatchNorm"):
@@ -190,7 +197,7 @@ def test_gradient_accumulation_mixed_precision_and_batchnorm_warning(tmp_path):
 
 
 def test_failing_rank_ends_the_run_with_its_error(tmp_path):
-    t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=3, limit_train_batches=6)
+    t = trainer(tmp_path, forked(), [], max_epochs=3, limit_train_batches=6)
     with pytest.raises(Exception, match="injected failure on rank 1"):
         t.fit(DigitsMLP(batch_size=16, fail_on_rank=1))
 
@@ -198,7 +205,7 @@ def test_failing_rank_ends_the_run_with_its_error(tmp_path):
 def test_dying_rank_ends_the_run_instead_of_hanging(tmp_path):
     import time
 
-    t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=3, limit_train_batches=6)
+    t = trainer(tmp_path, forked(), [], max_epochs=3, limit_train_batches=6)
     start = time.monotonic()
     with pytest.raises(Exception, match="exit code 13|exited with exit code 13|process 1"):
         t.fit(DigitsMLP(batch_size=16, fail_on_rank=1, die=True))
@@ -206,7 +213,7 @@ def test_dying_rank_ends_the_run_instead_of_hanging(tmp_path):
 
 
 def test_dataset_smaller_than_global_batch(tmp_path):
-    t = trainer(tmp_path, "hetero_ddp_spawn", [], max_epochs=1)
+    t = trainer(tmp_path, forked(), [], max_epochs=1)
     with pytest.raises(Exception, match="fewer than one global batch"):
         t.fit(DigitsMLP(batch_size=1000))
 
@@ -245,7 +252,7 @@ def test_mistyped_strategy_keyword_is_named_at_construction(kwargs, match):
 
 
 def test_emulator_needs_one_speed_per_rank(tmp_path):
-    t = trainer(tmp_path, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 1.0, 1.0], 0.001)], max_epochs=1)
+    t = trainer(tmp_path, forked(), [HeterogeneityEmulator([1.0, 1.0, 1.0], 0.001)], max_epochs=1)
     with pytest.raises(Exception, match="3 `speeds`"):
         t.fit(DigitsMLP())
 

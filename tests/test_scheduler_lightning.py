@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 
 from hetero_plugins.callbacks import HeterogeneityEmulator
 from hetero_plugins.strategies import HeteroDDPStrategy
+from tests.helpers.distributed import START_METHOD
 from tests.lightning_jobs import DigitsMLP, Report, read_reports
 
 pytestmark = pytest.mark.distributed
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.distributed
 def test_auto_allocator_rebalances_a_lightning_run(tmp_path):
     pl.seed_everything(0)
     t = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method="spawn", policy="auto"),
+        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method=START_METHOD, policy="auto"),
         callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002), Report(str(tmp_path))],
         max_epochs=3, limit_train_batches=20, limit_val_batches=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -45,7 +46,7 @@ def test_cluster_context_reaches_the_learned_scheduler_and_relocation_writes_a_s
     t = pl.Trainer(
         accelerator="cpu", devices=2,
         # The default policy ("auto") applies the NCF to a first arrival while nothing contradicts it.
-        strategy=HeteroDDPStrategy(start_method="spawn", cluster=video_arrives_on_rank_1,
+        strategy=HeteroDDPStrategy(start_method=START_METHOD, cluster=video_arrives_on_rank_1,
                                    relocation=Relocator(restart_cost=0.0), restart_spec=str(spec)),
         # 240 ms a step: this machine's few ms of timing jitter stay well inside auto's max_noise (8%), which
         # would otherwise (rightly) hold the NCF back.
@@ -75,7 +76,7 @@ def test_a_bad_cluster_file_stops_every_rank_with_the_fix(tmp_path):
     bad = tmp_path / "cluster.json"
     bad.write_text('{"ranks": [{"device": "v100"}]}')  # one entry for two ranks
     t = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method="spawn", cluster=str(bad)),
+        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method=START_METHOD, cluster=str(bad)),
         max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path),
     )

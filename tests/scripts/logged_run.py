@@ -1,6 +1,7 @@
-"""A real run with Lightning's loggers: the digits CNN on 2 spawned CPU ranks (speeds 1 and 0.25) with
-HeteroDDPStrategy and LRAdapter, a TensorBoardLogger and a CSVLogger writing into the same run folder, and
-Lightning's default checkpoint. Used by tests/test_loggers.py and tests/test_report.py.
+"""A real run with Lightning's loggers: the digits CNN on 2 CPU ranks (this process and the one Lightning starts
+for rank 1, as a user's script runs; speeds 1 and 0.25) with HeteroDDPStrategy and LRAdapter, a TensorBoardLogger
+and a CSVLogger writing into the same run folder, and Lightning's default checkpoint. Used by tests/test_loggers.py
+and tests/test_report.py.
 
     python tests/scripts/logged_run.py OUT_DIR [EPOCHS]
 """
@@ -27,7 +28,7 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     loggers = [TensorBoardLogger(out, name="run", version=0), CSVLogger(out, name="run", version=0)]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(start_method="spawn"), max_epochs=epochs,
+        accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(), max_epochs=epochs,
         logger=loggers, log_every_n_steps=4, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=out,
         callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.001), LRAdapter()],
