@@ -49,7 +49,7 @@ from hetero_plugins.scheduler.placement_policy import (
     make_relocator,
 )
 from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
-from hetero_plugins.scheduler.sim.family import family_scenarios
+from hetero_plugins.scheduler.sim.family import family_scenarios, has_churn_and_slots
 from hetero_plugins.scheduler.sim.loop import SimulationRun
 
 #: The rollout choosers: (fork noise, fork knows the future, what the forks' places run: the true curves,
@@ -130,10 +130,6 @@ def run_policy(name: str, sc: Any, seed: int, predictor: Any, horizon: int, draw
     for e in range(run.epochs):
         run.epoch(e)
     return float(run.result()["steady_samples_per_s"])
-
-
-def has_churn_and_slots(spec: dict[str, Any]) -> bool:
-    return bool(spec.get("free_slots")) and any("corunner" in ev for ev in spec.get("events", []))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

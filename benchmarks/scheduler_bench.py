@@ -68,7 +68,7 @@ from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
 from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, ClusterSim, load_scenario
 from hetero_plugins.scheduler.sim.evaluate import best_analytic, evaluate
-from hetero_plugins.scheduler.sim.family import FAMILIES, family_scenarios, generate_scenario
+from hetero_plugins.scheduler.sim.family import FAMILIES, family_scenarios, generate_scenario, has_churn_and_slots
 from hetero_plugins.scheduler.transfer import transfer_placement
 
 START, END = "<!-- scheduler-bench:start -->", "<!-- scheduler-bench:end -->"
@@ -107,11 +107,6 @@ class Components:
 
     def planned_critic(self, sc: Any) -> Relocator:
         return make_relocator("planned_critic", sc, predictor=self.ncf)  # type: ignore[return-value]
-
-
-def has_churn_and_slots(spec: dict[str, Any]) -> bool:
-    """Co-runners that arrive or leave (on ranks or slots) and at least one free slot."""
-    return bool(spec.get("free_slots")) and any("corunner" in ev for ev in spec.get("events", []))
 
 
 def policies(comp: Components, record: dict[str, list[Any]]) -> dict[str, tuple[Any, Any]]:

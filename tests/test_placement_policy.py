@@ -287,10 +287,10 @@ def test_the_scheduler_benchmark_averages_placement_over_its_placement_only_clus
     alone, its ratios are its policies' throughputs over ``equal_finish`` and the greedy rule's, and the placement
     targets average over those clusters and the full rows' clusters with churn and slots (never the others); a
     placement count below the test count is refused by name."""
-    from hetero_plugins.scheduler.sim.family import family_scenarios
+    from hetero_plugins.scheduler.sim.family import family_scenarios, has_churn_and_slots
 
     mod = _benchmark("scheduler_bench")
-    cluster = min((s for s in family_scenarios("test", 8) if mod.has_churn_and_slots(s)),
+    cluster = min((s for s in family_scenarios("test", 8) if has_churn_and_slots(s)),
                   key=lambda s: len(s["ranks"]))
     row = mod.run_placement(cluster, mod.Components(), [0])
     mean = row["samples_per_s"]

@@ -44,7 +44,8 @@ import numpy as np
 
 from hetero_plugins.scheduler.sim.scenario import load_scenario  # noqa: F401  (the module docstring's example)
 
-__all__ = ["FAMILIES", "SPLITS", "family_scenarios", "family_seeds", "generate_scenario", "split_of", "table_pairs"]
+__all__ = ["FAMILIES", "SPLITS", "family_scenarios", "family_seeds", "generate_scenario", "has_churn_and_slots", "split_of",
+           "table_pairs"]
 
 SPLITS = ("train", "val", "test")
 
@@ -97,6 +98,12 @@ def family_seeds(split: str, count: int) -> list[int]:
 def family_scenarios(split: str, count: int, family: str = "default", **kw: Any) -> list[dict[str, Any]]:
     """The scenarios of the first ``count`` seeds of ``split`` (keywords go to :func:`generate_scenario`)."""
     return [generate_scenario(s, family, **kw) for s in family_seeds(split, count)]
+
+
+def has_churn_and_slots(spec: Mapping[str, Any]) -> bool:
+    """Whether a scenario has co-runners that arrive or leave (on ranks or slots) and at least one free slot: the
+    clusters where relocation can act, over which the benchmarks average the placement targets."""
+    return bool(spec.get("free_slots")) and any("corunner" in ev for ev in spec.get("events", []))
 
 
 def table_pairs(table: Mapping[str, Any]) -> dict[tuple[str, str], float]:
