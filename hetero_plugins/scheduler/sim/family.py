@@ -44,8 +44,8 @@ import numpy as np
 
 from hetero_plugins.scheduler.sim.scenario import load_scenario  # noqa: F401  (the module docstring's example)
 
-__all__ = ["FAMILIES", "SPLITS", "family_scenarios", "family_seeds", "generate_scenario", "has_churn_and_slots", "split_of",
-           "table_pairs"]
+__all__ = ["FAMILIES", "SPLITS", "family_scenarios", "family_seeds", "generate_scenario", "has_churn_and_slots",
+           "split_of", "table_pairs"]
 
 SPLITS = ("train", "val", "test")
 
