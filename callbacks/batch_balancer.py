@@ -58,6 +58,7 @@ from hetero_plugins.callbacks._relocation import (
     write_torchrun_relocation,
 )
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, check_one_weighting, weighted_allreduce_hook
+from hetero_plugins.callbacks.shared_weights import unshare_module_memory
 from hetero_plugins.cluster import resolve_cluster_source
 from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.scheduler.cluster_advisor import ClusterAdvisor
@@ -241,6 +242,7 @@ class BatchBalancer(Callback):
         if stage != "fit":
             return
         check_one_weighting(trainer.callbacks, self)
+        unshare_module_memory(pl_module)  # beside a strategy started from a fork server (as HeteroDDPStrategy does)
         norms = [m for m in pl_module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if norms and not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) and self.options.min_batch_size < 8:
             rank_zero_warn(

@@ -18,7 +18,6 @@ constant.
 
 from __future__ import annotations
 
-import itertools
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
+from hetero_plugins.callbacks.shared_weights import unshare_module_memory
 from hetero_plugins.collectives import TorchCollectives, release_process_group_at_exit
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
@@ -104,26 +104,13 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._place_relocated_rank()
-        self._unshare_module_memory()
+        if self._lightning_module is not None:  # a fork server's ranks got the weights in shared memory
+            unshare_module_memory(self._lightning_module)
         super().setup_environment()
         # Release the process group before the interpreter's own teardown: left to static destructors, gloo's
         # threads occasionally abort a spawned worker at exit ("terminate called without an active exception")
         # after training has finished.
         release_process_group_at_exit()
-
-    def _unshare_module_memory(self) -> None:
-        """Give this rank its own copy of the module's CPU parameters and buffers where the launcher shared them.
-
-        ``torch.multiprocessing`` passes every tensor it pickles to a new process in shared memory. Lightning
-        copies a module's tensors out again under ``start_method="spawn"`` (Lightning-AI/pytorch-lightning#18238)
-        but not under ``"forkserver"``, where the ranks on one host would then all step on one set of weights."""
-        module = self._lightning_module
-        if module is None:
-            return
-        with torch.no_grad():
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                if tensor.device.type == "cpu" and tensor.is_shared():
-                    tensor.data = tensor.data.clone()
 
     def _place_relocated_rank(self) -> None:
         """After a relocation restart, run this rank on the accelerator ``index`` its slot names (same host)."""

@@ -112,6 +112,10 @@ class Report(Callback):
         self.out_dir = out_dir
         self.batches: dict[int, list[int]] = {}
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Weights in memory shared with other processes (a fork server's ranks get them so; each must own a copy).
+        self.shared_weights = sum(int(t.is_shared()) for t in pl_module.parameters())
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.batches.setdefault(trainer.current_epoch, []).append(len(batch[1]))
 
@@ -132,6 +136,7 @@ class Report(Callback):
             "carried_samples": getattr(trainer.strategy, "carried_samples", None),
             "stolen_samples": getattr(trainer.strategy, "stolen_samples", None),
             "state": {k: v.tolist() for k, v in pl_module.state_dict().items()},
+            "shared_weights": getattr(self, "shared_weights", None),
         }
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(report, f)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
 
 import hetero_plugins.strategies  # noqa: F401  (registers "hetero_ddp" / "hetero_ddp_spawn")
 from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator, StragglerMonitor
@@ -67,6 +68,7 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
                 [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)], max_epochs=3)
     t.fit(model)
     reports = read_reports(str(tmp_path), 2)
+    assert [rep["shared_weights"] for rep in reports] == [0, 0]  # each rank owns its weights (fork server)
     hist = reports[0]["plan_history"]
     # Every rank adopted the same plans; the slow rank's share dropped within the first epoch (mid-epoch
     # replanning every 5 steps), and the global batch stayed 32.
@@ -124,10 +126,14 @@ def test_a_rank_waiting_for_its_batches_gets_fewer_samples(tmp_path):
 def test_callback_beside_stock_ddp(tmp_path):
     pl.seed_everything(0)
     balancer = BatchBalancer(allocator="lbb")
-    t = trainer(tmp_path, "ddp_spawn", [balancer, HeterogeneityEmulator([0.25, 1.0], cost_per_sample=0.002)],
-                max_epochs=3, limit_train_batches=20)
+    # Stock DDP under the fork server: Lightning leaves the ranks' weights in one shared copy there, the balancer
+    # gives each rank its own.
+    t = trainer(tmp_path, DDPStrategy(start_method=START_METHOD),
+                [balancer, HeterogeneityEmulator([0.25, 1.0], cost_per_sample=0.002)], max_epochs=3,
+                limit_train_batches=20)
     t.fit(DigitsMLP(batch_size=16))
     reports = read_reports(str(tmp_path), 2)
+    assert [rep["shared_weights"] for rep in reports] == [0, 0]
     hist = reports[0]["plan_history"]
     assert hist == reports[1]["plan_history"]
     assert hist[0]["batch_sizes"] == [16, 16]  # the first epoch runs on Lightning's own sampler

@@ -7,9 +7,9 @@ The ranks of most multi-process tests start from ``multiprocessing``'s fork serv
 ``run_distributed`` here, ``HeteroDDPStrategy(start_method=START_METHOD)`` in the Lightning tests). The server
 imports torch, Lightning and this package once per test session (:func:`start_fork_server`) and runs no test:
 each rank is still a fresh process, but two start in 0.1 s where ``spawn`` re-imports Lightning in both (7 s on
-two cores, paid by some 30 runs). The registered ``"hetero_ddp_spawn"``, the stock ``"ddp_spawn"`` (which does
-not unshare a module's weights under the fork server) and the ``popen`` launcher (examples, demo, ``torchrun``)
-keep their own start methods in the tests that cover them.
+two cores, paid by some 30 runs). The registered ``"hetero_ddp_spawn"``, stock ``"ddp_spawn"`` without the
+balancer (which leaves a module's weights shared under the fork server), the runs whose tests read the ranks'
+stderr and the ``popen`` launcher (examples, demo, ``torchrun``) keep their own start methods.
 """
 
 from __future__ import annotations
