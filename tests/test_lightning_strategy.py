@@ -15,7 +15,7 @@ from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator, Strag
 from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
 from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.apps.digits import digits_datasets
-from tests.helpers.distributed import START_METHOD
+from tests.helpers.distributed import START_METHOD, rank_output
 from tests.lightning_jobs import DigitsMLP, Report, read_reports
 
 pytestmark = pytest.mark.distributed
@@ -166,15 +166,15 @@ def test_resume_keeps_plan_and_time_models(tmp_path):
     assert hist[2]["batch_sizes"] == saved["plan"]  # the resumed epoch starts on the saved plan
 
 
-def test_weighted_random_sampler_reports_no_plan_applied(tmp_path, capfd):
+def test_weighted_random_sampler_reports_no_plan_applied(tmp_path):
     from tests.balancer_jobs import StepLogMLP
 
     pl.seed_everything(0)
-    # "spawn": the ranks' stderr is the test's (a fork server's ranks write to the server's)
-    t = trainer(tmp_path, "hetero_ddp_spawn", [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)],
-                max_epochs=2, limit_val_batches=0)
-    t.fit(StepLogMLP(str(tmp_path), loader="weighted", batch_size=16))
-    assert capfd.readouterr().err.count("cannot rebalance DistributedSamplerWrapper") == 1
+    t = trainer(tmp_path, forked(), [HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)], max_epochs=2,
+                limit_val_batches=0)
+    with rank_output() as ranks:
+        t.fit(StepLogMLP(str(tmp_path), loader="weighted", batch_size=16))
+    assert ranks.text.count("cannot rebalance DistributedSamplerWrapper") == 1
     reports = read_reports(str(tmp_path), 2)
     hist = reports[0]["plan_history"]
     assert len(hist) == 2 and hist == reports[1]["plan_history"]

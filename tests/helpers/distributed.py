@@ -8,8 +8,9 @@ The ranks of most multi-process tests start from ``multiprocessing``'s fork serv
 imports torch, Lightning and this package once per test session (:func:`start_fork_server`) and runs no test:
 each rank is still a fresh process, but two start in 0.1 s where ``spawn`` re-imports Lightning in both (7 s on
 two cores, paid by some 30 runs). The registered ``"hetero_ddp_spawn"``, stock ``"ddp_spawn"`` without the
-balancer (which leaves a module's weights shared under the fork server), the runs whose tests read the ranks'
-stderr and the ``popen`` launcher (examples, demo, ``torchrun``) keep their own start methods.
+balancer (which leaves a module's weights shared under the fork server) and the ``popen`` launcher (examples,
+demo, ``torchrun``) keep their own start methods. The ranks write into the server's log, which
+:func:`rank_output` reads for the tests that check what a rank printed.
 """
 
 from __future__ import annotations
@@ -30,13 +31,19 @@ PRELOAD = ("torch", "lightning.pytorch", "hetero_plugins.strategies", "hetero_pl
            "tests.lightning_jobs")
 
 
+_started: list[str | None] = []  # the server's log, once started
+
+
 def start_fork_server(log: str | None = None) -> None:
     """Start the fork server with :data:`PRELOAD` imported (once; later calls return at once). Its environment,
     and so every rank's, is the caller's at the first call: call it before a test changes ``os.environ``. Its
     ranks write to the server's standard output and error: the file ``log`` (appended to) where given, else the
-    caller's at the first call."""
+    caller's, at the first call (:func:`rank_output` reads the file)."""
     from multiprocessing import forkserver
 
+    if _started:
+        return
+    _started.append(log)
     mp.set_forkserver_preload(list(PRELOAD))
     if log is None:
         forkserver.ensure_running()
@@ -52,6 +59,24 @@ def start_fork_server(log: str | None = None) -> None:
         os.dup2(saved[1], 2)
         for fd in saved:
             os.close(fd)
+
+
+class rank_output:  # noqa: N801 - used as a context manager, like a function
+    """What the fork server's ranks write (standard output and error) while the ``with`` block runs: ``.text``
+    after it. Needs the server started with a ``log`` (as the test session's is)."""
+
+    def __enter__(self) -> "rank_output":
+        if not _started or _started[0] is None:
+            raise RuntimeError("the fork server writes no log: start it with start_fork_server(log=...)")
+        self._log = _started[0]
+        self._start = os.path.getsize(self._log)
+        self.text = ""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with open(self._log, "rb") as f:
+            f.seek(self._start)
+            self.text = f.read().decode(errors="replace")
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, args: tuple, out: Any) -> None:
