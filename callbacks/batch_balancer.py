@@ -242,7 +242,7 @@ class BatchBalancer(Callback):
         if stage != "fit":
             return
         check_one_weighting(trainer.callbacks, self)
-        unshare_module_memory(pl_module)  # beside a strategy started from a fork server (as HeteroDDPStrategy does)
+        unshare_module_memory(pl_module)  # ranks from a fork server (HeteroDDPStrategy bundles this callback too)
         norms = [m for m in pl_module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if norms and not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms) and self.options.min_batch_size < 8:
             rank_zero_warn(

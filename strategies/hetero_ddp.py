@@ -31,7 +31,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.options import BalancingOptions
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
-from hetero_plugins.callbacks.shared_weights import unshare_module_memory
 from hetero_plugins.collectives import TorchCollectives, release_process_group_at_exit
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
@@ -104,8 +103,6 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._place_relocated_rank()
-        if self._lightning_module is not None:  # a fork server's ranks got the weights in shared memory
-            unshare_module_memory(self._lightning_module)
         super().setup_environment()
         # Release the process group before the interpreter's own teardown: left to static destructors, gloo's
         # threads occasionally abort a spawned worker at exit ("terminate called without an active exception")
