@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from hetero_plugins.balancing.allocators import Bounds, EqualFinishAllocator, min_makespan_split
+from hetero_plugins.balancing.lines import TimeModelLines
+from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.time_model import TimeModelParams as P
 from hetero_plugins.scheduler.interference import InterferenceCorrection
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
@@ -157,6 +159,69 @@ def test_dqn_split_is_the_exact_split_on_ncf_corrected_lines():
         if np.any(f != 1.0):  # the damping gate sees the corrected lines
             assert dqn.predict_makespan([P(x, y) for x, y in zip(a, s)], plan) == pytest.approx(
                 float(np.max((a + s * np.array(plan)) * f)))
+
+
+def _with_data(a: np.ndarray, s: np.ndarray, data: np.ndarray) -> TimeModelLines:
+    """Compute lines with each rank's wait for data added to its intercept, as the planner decides on them."""
+    return TimeModelLines(a + data, s, np.ones(len(a), dtype=bool), data=data)
+
+
+def test_corrections_scale_the_compute_and_leave_the_wait_for_data():
+    """A co-runner slows a rank's compute, not its wait for data (the simulator's model, and the relocators'
+    pricing): the corrected lines are ``(intercept - data) * f + data`` and ``slope * f``. Before, the whole
+    intercept was scaled: a data-bound rank whose co-runner left was priced as if its data came faster too, and
+    handed samples it could not run (a generated 5-rank cluster: 0.963x the best analytic allocator)."""
+    rng = np.random.default_rng(5)
+    table = {("v100", "video"): 1.4, ("t4", "video"): 1.9, ("v100", "etl"): 1.2, ("t4", "etl"): 2.3}
+    for _ in range(20):
+        n = int(rng.integers(3, 30))
+        devices = list(rng.choice(["v100", "t4"], n))
+        old = [None if c == "-" else c for c in rng.choice(["-", "video", "etl"], n)]
+        new = [None if c == "-" else c for c in rng.choice(["-", "video", "etl"], n)]
+        a, s = rng.uniform(0.0, 0.01, n), rng.uniform(2e-4, 3e-3, n)
+        data = np.where(rng.random(n) < 0.4, rng.uniform(0.0, 0.2, n), 0.0)
+        lo, hi = rng.integers(1, 4, n), rng.integers(64, 256, n)
+        gb = int(rng.integers(lo.sum(), hi.sum() + 1))
+        f = InterferenceCorrection(TablePredictor(table)).factors("training", devices, old, new)
+        expected = min_makespan_split(a * f + data, s * f, gb, lo, hi).tolist()
+        bounds = Bounds(tuple(map(int, lo)), tuple(map(int, hi)))
+        for alloc in (DQNAllocator(interference=TablePredictor(table)),
+                      AutoAllocator(interference=TablePredictor(table))):
+            alloc.set_context(devices=devices, corunners=old, next_corunners=new)
+            lines = _with_data(a, s, data)
+            plan = alloc.allocate(lines, gb, bounds)
+            assert plan == expected
+            assert alloc.predict_makespan(lines, plan) == pytest.approx(float(np.max(a * f + data + s * f * plan)))
+    # The planner hands its allocator the data it counts: a rank waiting 150 ms for each batch, whose co-runner
+    # (2x) leaves, gains nothing from its compute running twice as fast, since the others finish first anyway.
+    planner = BalancePlanner(2, 128, allocator=DQNAllocator(interference=TablePredictor({("t4", "etl"): 2.0})))
+    batch = np.tile(np.repeat([32.0, 96.0], 10), 2).reshape(2, 20)  # both ranks measured at 32 and 96 samples
+    compute = np.array([[1.0], [2.0]]) * (0.002 + 0.001 * batch)  # rank 1 beside the co-runner: 2x
+    planner.observe(np.stack([batch, compute, np.array([[0.0], [0.15]]) + 0 * batch], axis=2))
+    lines = planner.decision_lines()
+    assert lines.data.tolist() == [0.0, 0.15] and lines.intercept[1] == pytest.approx(0.154)
+    planner.allocator.set_context(devices=["v100", "t4"], corunners=[None, "etl"], next_corunners=[None, None])
+    planner.allocator.allocate(lines, 128, Bounds.uniform(2))
+    a_fixed, slope = planner.allocator.lines(lines, 2)
+    assert a_fixed[1] == pytest.approx(0.152) and slope[1] == pytest.approx(0.001)  # not 0.077 and 0.001
+
+
+def test_auto_measures_a_corunners_slowdown_on_the_compute_alone():
+    """The slowdown a co-runner change is measured at (and the NCF scored by) is the ratio of the compute lines:
+    the wait for data a rank's intercept holds would dilute it (a 2x slowdown of a rank waiting 50 ms a step
+    for data measured as 1.2x)."""
+    table = TablePredictor({("t4", "video"): 2.0, ("v100", "video"): 1.4})
+    auto = AutoAllocator(interference=table)
+    a, s, data = np.array([0.005] * 3 + [0.006]), np.array([0.0005] * 3 + [0.0012]), np.array([0.0, 0, 0, 0.05])
+    bounds = Bounds.uniform(4)
+    plan = auto.allocate(_with_data(a, s, data), 256, bounds)
+    auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
+    plan = auto.allocate(_with_data(a, s, data), 256, bounds, current=plan)
+    f = np.array([1.0, 1.0, 1.0, 2.0])  # what the epoch beside the video job measured: the t4's compute 2x
+    auto.set_context(devices=DEVICES, corunners=[None] * 3 + ["video"], next_corunners=[None] * 3 + ["video"])
+    auto.allocate(_with_data(a * f, s * f, data), 256, bounds, current=plan)
+    assert auto.measured_ratio("training", "t4", None, "video") == pytest.approx(2.0)
+    assert auto.ncf_errors == [pytest.approx(0.0, abs=1e-12)]  # the NCF said 2.0: right
 
 
 def test_guard_keeps_relocations_only_when_the_models_are_trusted():

@@ -10,7 +10,7 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["TimeModelLines", "TimeModelParams", "curve_times", "proportional_knees"]
+__all__ = ["TimeModelLines", "TimeModelParams", "curve_times", "data_seconds", "proportional_knees"]
 
 
 def curve_times(intercept: Any, slope: Any, batch: Any, knee: Any = None, beyond: Any = None) -> np.ndarray:
@@ -59,12 +59,15 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
         knee, beyond: ``None``, or per rank the batch size past which the time grows by ``beyond`` seconds per
             sample instead of ``slope`` (``inf``: never; see :func:`curve_times`). The planner sets them with
             ``extrapolate="proportional"``: beyond the largest batch a rank has measured, no economy of scale.
+        data: ``None``, or per rank the seconds of ``intercept`` that are the wait for data, not compute (the
+            planner's ``count_data_time``). A co-runner slows the compute: corrections for one (the learned
+            allocators') scale ``intercept - data`` and ``slope``, not the data (:func:`data_seconds`).
     """
 
-    __slots__ = ("intercept", "slope", "known", "knee", "beyond")
+    __slots__ = ("intercept", "slope", "known", "knee", "beyond", "data")
 
     def __init__(self, intercept: np.ndarray, slope: np.ndarray, known: np.ndarray, knee: np.ndarray | None = None,
-                 beyond: np.ndarray | None = None) -> None:
+                 beyond: np.ndarray | None = None, data: np.ndarray | None = None) -> None:
         self.intercept = np.asarray(intercept, dtype=np.float64)
         self.slope = np.asarray(slope, dtype=np.float64)
         self.known = np.asarray(known, dtype=bool)
@@ -73,6 +76,7 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
                              "both (one entry per rank) or neither.")
         self.knee = None if knee is None else np.asarray(knee, dtype=np.float64)
         self.beyond = None if beyond is None else np.asarray(beyond, dtype=np.float64)
+        self.data = None if data is None else np.asarray(data, dtype=np.float64)
 
     def times(self, batch: Any) -> np.ndarray:
         """Each rank's predicted seconds at its entry of ``batch`` (the knee applied; ``nan`` where unknown)."""
@@ -82,7 +86,8 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
         """These lines with every rank's times multiplied by ``factor`` (per rank, or one number)."""
         f = np.broadcast_to(np.asarray(factor, dtype=np.float64), self.intercept.shape)
         return TimeModelLines(self.intercept * f, self.slope * f, self.known, self.knee,
-                              None if self.beyond is None else self.beyond * f)
+                              None if self.beyond is None else self.beyond * f,
+                              None if self.data is None else self.data * f)
 
     def __len__(self) -> int:
         return len(self.known)
@@ -111,6 +116,23 @@ class TimeModelLines(Sequence):  # type: ignore[type-arg]
 
     def __repr__(self) -> str:
         return f"TimeModelLines({list(self)!r})"
+
+
+def data_seconds(lines: Any, n: int) -> np.ndarray:
+    """The seconds per step of each of ``n`` ranks that ``lines``' intercepts hold for the wait for data
+    (:attr:`TimeModelLines.data`; zeros for lines without it, e.g. a list of :class:`TimeModelParams`).
+
+    Example::
+
+        >>> lines = TimeModelLines(np.array([0.05, 0.01]), np.array([1e-3, 1e-3]), np.array([True, True]),
+        ...                        data=np.array([0.04, 0.0]))
+        >>> data_seconds(lines, 2).tolist(), data_seconds(list(lines), 2).tolist()
+        ([0.04, 0.0], [0.0, 0.0])
+    """
+    d = getattr(lines, "data", None)
+    if d is None or len(d) != n:
+        return np.zeros(n)
+    return np.asarray(d, dtype=np.float64)
 
 
 def proportional_knees(lines: TimeModelLines, measured: Any, factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

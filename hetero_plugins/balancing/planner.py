@@ -276,16 +276,16 @@ class BalancePlanner:
 
     def decision_lines(self) -> TimeModelLines:
         """The lines the plan is decided on: :meth:`model_params` with each rank's data-loading seconds per step
-        added to its intercept (``count_data_time``); a step takes ``max_i (data_i + compute_i)`` before the
-        all-reduce."""
+        added to its intercept (``count_data_time``; the lines' ``data`` says how much); a step takes
+        ``max_i (data_i + compute_i)`` before the all-reduce."""
         lines = self._bank.lines()
         knee = beyond = None
         if self.extrapolate == "proportional" and getattr(self.allocator, "reads_knees", False):
             knee, beyond = proportional_knees(lines, self._bank.measured_max(), self.knee_factor)
         if (not self.count_data_time or not self._data.any()) and knee is None:
             return lines
-        data = self._data if self.count_data_time else 0.0
-        return TimeModelLines(lines.intercept + data, lines.slope, lines.known, knee, beyond)
+        data = self._data if self.count_data_time else np.zeros(self.world_size)
+        return TimeModelLines(lines.intercept + data, lines.slope, lines.known, knee, beyond, data)
 
     def predict_step_time(self, plan: Sequence[int], shift: np.ndarray | float = 0.0) -> float:
         """Predicted makespan (slowest rank's compute plus data-loading seconds, :meth:`decision_lines`) of one
@@ -365,7 +365,7 @@ class BalancePlanner:
         """Feed step records, shape ``(world_size, steps, 3)``: batch size, compute s, data s."""
         records = np.asarray(records, dtype=np.float64)
         if records.ndim != 3 or records.shape[0] != self.world_size or records.shape[2] < 2:
-            raise ValueError(f"`records` must have shape (world_size={self.world_size}, steps, 3), got {records.shape}.")
+            raise ValueError(f"`records` must have shape ({self.world_size} ranks, steps, 3), got {records.shape}.")
         skip = max(0, self.warmup_steps - self._observed_steps)
         if records.shape[1] > skip:
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])

@@ -35,7 +35,7 @@ import numpy as np
 from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.balancing.allocators import (Allocator, fitted_models, knee_arrays, min_makespan_split,
                                                  register_allocator)
-from hetero_plugins.balancing.lines import curve_times
+from hetero_plugins.balancing.lines import curve_times, data_seconds
 from hetero_plugins.balancing.time_model import TimeModelParams
 from hetero_plugins.scheduler.interference import interference_correction
 from hetero_plugins.scheduler.safety import GuardedRelocator
@@ -183,11 +183,13 @@ class DQNAllocator(Allocator):
         return out
 
     def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied)."""
+        """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied: a co-runner
+        slows the compute, so the seconds of each intercept that are the wait for data are not scaled)."""
         a, beta = _arrays(models)
         f = self._factors
         if f is not None and len(f) == world_size:
-            a, beta = a * f, beta * f
+            d = data_seconds(models, world_size)
+            a, beta = (a - d) * f + d, beta * f
         return a, beta
 
     def knees(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -412,7 +414,10 @@ class AutoAllocator(Allocator):
         t_obs = a + s * plan
         t_raw = prev["a"] + prev["s"] * plan
         ok = (t_obs > 0) & (t_raw > 0)
-        ratio = np.log(np.where(ok, t_obs, 1.0) / np.where(ok, t_raw, 1.0))
+        ratio = np.log(np.where(ok, t_obs, 1.0) / np.where(ok, t_raw, 1.0))  # slowdowns: of the compute alone
+        c_obs, c_raw = t_obs - data_seconds(models, n), t_raw - prev["d"]
+        c_ok = (c_obs > 0) & (c_raw > 0)
+        slowdown = np.log(np.where(c_ok, c_obs, 1.0) / np.where(c_ok, c_raw, 1.0))
         ctx = prev["ctx"]
         other = np.zeros(n, dtype=bool)
         for i in prev["moved"]:
@@ -431,13 +436,13 @@ class AutoAllocator(Allocator):
         if ctx is not None:
             workload, devices, old, new = ctx
             for i in range(n):
-                if old[i] == new[i] or not ok[i] or other[i]:
+                if old[i] == new[i] or not c_ok[i] or other[i]:
                     continue
                 other[i] = True
-                self.measured.setdefault((workload, devices[i], old[i], new[i]), []).append(float(ratio[i]))
+                self.measured.setdefault((workload, devices[i], old[i], new[i]), []).append(float(slowdown[i]))
                 f = prev["ncf"][i]
                 if f is not None:
-                    self.ncf_errors.append(float(math.log(f) - ratio[i]))
+                    self.ncf_errors.append(float(math.log(f) - slowdown[i]))
         self._residuals.append(ratio[ok & ~other])
 
     def moved(self, ranks: Sequence[int]) -> None:
@@ -557,12 +562,12 @@ class AutoAllocator(Allocator):
                 log.info("auto allocator: equal_finish (%s)", reason)
         plan = self.dqn.split(models, global_batch, bounds, use)
         a, s = _arrays(models)
+        lines = {"a": a.copy(), "s": s.copy(), "d": data_seconds(models, n), "plan": list(plan)}
         if after_move is not None and self._prev is not None and self._prev["n"] == n:
             # The re-plan after a relocation: the boundary's co-runner changes stay; movers are scored separately.
-            self._prev.update(a=a.copy(), s=s.copy(), plan=list(plan), moved=set(after_move))
+            self._prev.update(lines, moved=set(after_move))
         elif ctx is not None:  # a call without context (a mid-epoch re-plan) does not score the lines after it
-            self._prev = {"n": n, "a": a.copy(), "s": s.copy(), "plan": list(plan), "ctx": ctx, "ncf": ncf,
-                          "moved": set()}
+            self._prev = {"n": n, **lines, "ctx": ctx, "ncf": ncf, "moved": set()}
         self.last_choice = "ncf" if use is not None else "equal_finish"
         self.last_reason = reason or "models agree"
         return plan
