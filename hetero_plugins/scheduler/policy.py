@@ -414,8 +414,8 @@ class AutoAllocator(Allocator):
         t_obs = a + s * plan
         t_raw = prev["a"] + prev["s"] * plan
         ok = (t_obs > 0) & (t_raw > 0)
-        ratio = np.log(np.where(ok, t_obs, 1.0) / np.where(ok, t_raw, 1.0))  # slowdowns: of the compute alone
-        c_obs, c_raw = t_obs - data_seconds(models, n), t_raw - prev["d"]
+        ratio = np.log(np.where(ok, t_obs, 1.0) / np.where(ok, t_raw, 1.0))
+        c_obs, c_raw = t_obs - data_seconds(models, n), t_raw - prev["d"]  # a co-runner slows the compute alone
         c_ok = (c_obs > 0) & (c_raw > 0)
         slowdown = np.log(np.where(c_ok, c_obs, 1.0) / np.where(c_ok, c_raw, 1.0))
         ctx = prev["ctx"]
