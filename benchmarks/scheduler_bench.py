@@ -241,6 +241,37 @@ def scenario_sets(test_count: int, quick: bool, table: Any = None) -> tuple[list
     return out, note
 
 
+_WORKER: dict[str, Any] = {}
+
+
+def _job(job: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """One scenario's rows (``run_scenario``, ``run_placement`` or ``run_unseen``), with this process's components."""
+    if "comp" not in _WORKER:
+        import torch
+
+        torch.set_num_threads(1)
+        _WORKER["comp"] = Components()
+    kind, a = job
+    with _single_thread():
+        if kind == "scenario":
+            return run_scenario(a[0], _WORKER["comp"], a[1], a[2], a[3])
+        if kind == "placement":
+            return run_placement(a[0], _WORKER["comp"], a[1])
+        return run_unseen(a[0], _WORKER["comp"], a[1], a[2], a[3])
+
+
+@contextlib.contextmanager
+def _runner(jobs: int) -> Any:
+    """``run(list of jobs) -> iterator of rows in order``: in this process, or in ``jobs`` spawned workers."""
+    if jobs == 1:
+        yield lambda todo: (_job(j) for j in todo)
+        return
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        yield lambda todo: pool.imap(_job, todo)
+
+
 def decision_latency(comp: Components, repeats: int = 15) -> dict[str, Any]:
     """``auto``'s decision at 1024 ranks, a co-runner change announced on a tenth of them (median ms, one core)."""
     spec = generate_scenario(8, world=1024)
@@ -495,12 +526,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unseen-count", type=int, default=None,
                         help="its test-split scenarios (default 20; --quick: 2)")
     parser.add_argument("--skip-transfer", action="store_true", help="leave the transfer curves out (the slowest part)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes for the scenarios (default 1); the decision time is measured after "
+                             "them, alone")
     parser.add_argument("--table", default=None,
                         help="a measured interference table (JSON) to draw the family's interference from "
                              "(default: the shipped one)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}. HINT: e.g. --seeds 3")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}. HINT: e.g. --jobs 2 (one per core)")
     count = args.test_count if args.test_count is not None else (4 if args.quick else 20)
     if count < 0:
         parser.error(f"--test-count must be >= 0, got {count}. HINT: e.g. --test-count 20")
@@ -525,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     comp = Components()
+    _WORKER["comp"] = comp  # the scenarios' components when they run in this process (--jobs 1)
     seeds = list(range(args.seeds))
     table_arg = None if args.table is None else json.loads(Path(args.table).read_text())
     sets, note = scenario_sets(count, args.quick, table_arg)
@@ -533,10 +570,19 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"seeds": seeds, "scenario_note": note, "ncf_source": comp.ncf_source,
                            "quick": args.quick, "scenarios": [], "placement_count": placement if count else 0,
                            "placement_scenarios": [], "replan_every": args.replan_every or None}
-    with _single_thread():
+    every = args.replan_every or None
+    jobs: list[tuple[str, tuple[Any, ...]]] = [("scenario", (spec, seeds, split, every)) for split, spec in sets]
+    extra = [s for s in test_specs(placement, table_arg)[count:] if has_churn_and_slots(s)] if count else []
+    jobs += [("placement", (spec, seeds)) for spec in extra]
+    unseen = family_scenarios("test", unseen_count, family=args.unseen_family) \
+        if args.unseen_family != "none" and unseen_count else []
+    label = f"unseen {args.unseen_family}-family test"
+    jobs += [("unseen", (spec, seeds, label, every)) for spec in unseen]
+    with _single_thread(), _runner(args.jobs) as run:
+        rows = run(jobs)
         for split, spec in sets:
             t1 = time.perf_counter()
-            row = run_scenario(spec, comp, seeds, split, args.replan_every or None)
+            row = next(rows)
             res["scenarios"].append(row)
             v = row["vs_best_analytic"]
             rv = row.get("replanned", {}).get("vs_best_analytic")
@@ -545,21 +591,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"learned/none {_fmt(row.get('learned_vs_none'))}, "
                   f"greedy/none {row['greedy_vs_none']:.3f} [{time.perf_counter() - t1:.0f} s]", flush=True)
         if count:
-            extra = [s for s in test_specs(placement, table_arg)[count:] if has_churn_and_slots(s)]
             for k, spec in enumerate(extra):
                 t1 = time.perf_counter()
-                row = run_placement(spec, comp, seeds)
+                row = next(rows)
                 res["placement_scenarios"].append(row)
                 print(f"placement {k + 1}/{len(extra)} {row['scenario']}: learned/none {row['learned_vs_none']:.3f}, "
                       f"planned/none {row['planned_vs_none']:.3f}, greedy/none {row['greedy_vs_none']:.3f} "
                       f"[{time.perf_counter() - t1:.0f} s]", flush=True)
-        if args.unseen_family != "none" and unseen_count:
-            label = f"unseen {args.unseen_family}-family test"
+        if unseen:
             res["unseen"] = {"family": args.unseen_family, "label": label, "scenarios": [],
                              "note": f"family {args.unseen_family!r}, test split, first {unseen_count} seeds"}
-            for spec in family_scenarios("test", unseen_count, family=args.unseen_family):
+            for spec in unseen:
                 t1 = time.perf_counter()
-                row = run_unseen(spec, comp, seeds, label, args.replan_every or None)
+                row = next(rows)
                 res["unseen"]["scenarios"].append(row)
                 rv = row.get("replanned", {}).get("vs_best_analytic")
                 print(f"{row['scenario']} ({label}, {row['world_size']} ranks): auto "

@@ -29,6 +29,7 @@ import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder, min_makespan_split
+from hetero_plugins.balancing.cliffs import CliffMemory, row_medians
 from hetero_plugins.balancing.lines import proportional_knees
 from hetero_plugins.balancing.time_model import (
     LinearTimeModel,
@@ -41,15 +42,6 @@ from hetero_plugins.balancing.time_model import (
 log = logging.getLogger(__name__)
 
 __all__ = ["BalancePlanner"]
-
-
-def _row_medians(x: np.ndarray) -> np.ndarray:
-    """``np.median(x, axis=1)`` through one sort (several times faster for many short rows)."""
-    if x.shape[1] == 0 or np.isnan(x).any():
-        return np.median(x, axis=1)
-    s = np.sort(x, axis=1)
-    m = x.shape[1]
-    return 0.5 * (s[:, (m - 1) // 2] + s[:, m // 2])
 
 
 class BalancePlanner:
@@ -71,27 +63,24 @@ class BalancePlanner:
             sample), square-rooted for a rank whose moves reverse; ``None``: no limit. The allocator's plan is
             kept where it stays within the factor; ranks beyond it are clipped and the samples this frees or
             takes are placed where the fitted lines predict the shortest step.
-        extrapolation_tolerance: a re-plan takes a rank beyond the largest batch size its time model has measured
-            (in its current regime) only as far as its fitted line and the proportional model through that size
-            (no fixed cost beyond it) disagree by at most this fraction
-            (:meth:`~hetero_plugins.balancing.time_bank.TimeModelBank.extrapolation_limits`): a saturation
-            plateau fits a nearly flat line that prices any batch as almost free, and a rank led far past what
-            it has run at can fall off a memory cliff. Each epoch measures the new sizes, so the limit moves out
-            (a flat line: by ``1 + tolerance`` per re-plan). Ranks beyond the limit are clipped and the samples
-            placed as for ``max_change_factor``. ``None`` (default): no limit; on the scenario family's validation
-            split 1.0 raised the analytic allocators' mean throughput by 0.2-0.4% and lowered the worst clusters
-            (see docs/scheduler.md, "Known gaps").
+        extrapolation_tolerance: a re-plan takes a rank beyond the largest batch its time model has measured only as
+            far as its line and the proportional model through that size disagree by at most this fraction
+            (:meth:`~hetero_plugins.balancing.time_bank.TimeModelBank.extrapolation_limits`; a plateau's flat
+            line prices any batch as almost free); ranks beyond it are clipped as for ``max_change_factor``.
+            ``None`` (default): no limit (validation: docs/scheduler.md, "Known gaps").
         extrapolate: how a rank's step time is priced beyond the largest batch size its time model has measured
             (in its current regime): ``"line"`` by the fitted line; ``"proportional"`` in proportion to the
             batch from the line's time there (no fixed cost, so no economy of scale, beyond what was measured).
-            A saturation plateau fits a nearly flat line that prices any batch as almost free; ``"proportional"``
-            keeps that line where it was measured and prices the rest pessimistically, a convex curve on which
-            the split stays exact (``min_makespan_split`` with a knee, :mod:`hetero_plugins.balancing.splits`).
-            Each epoch measures the new sizes, so the knee moves out. It applies to allocators that split on
-            knees (``reads_knees``: ``"equal_finish"``, ``"dqn"``, ``"auto"``); the others (``"lbb"``,
-            ``"proportional"``, ``"static"``) decide and are gated on the plain lines.
+            A plateau's flat line prices any batch as almost free; ``"proportional"`` keeps it where it was measured,
+            a convex curve on which the split stays exact (:mod:`hetero_plugins.balancing.splits`); the knee moves
+            out as new sizes are measured. For allocators that split on knees (``reads_knees``: ``"equal_finish"``,
+            ``"dqn"``, ``"auto"``); ``"lbb"``, ``"proportional"`` and ``"static"`` use the plain lines.
         knee_factor: with ``extrapolate="proportional"``, the fitted line is trusted up to this multiple of the
             largest measured batch before the proportional pricing starts (>= 1; default 1, the most cautious).
+        cliff_epochs: for allocators that split on knees, each rank's median compute time at every batch it ran is
+            kept this many epochs, and its batch is priced past the current one along the chord to a larger batch
+            that ran ``cliff_tolerance`` slower than predicted (a memory cliff, which the time model reads as a
+            speed change; :mod:`hetero_plugins.balancing.cliffs`). 0: off. ``cliff_tolerance``: 0.1 is 10%.
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
         count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
@@ -127,6 +116,8 @@ class BalancePlanner:
         extrapolation_tolerance: float | None = None,
         extrapolate: str = "proportional",
         knee_factor: float = 1.0,
+        cliff_epochs: int = 4,
+        cliff_tolerance: float = 0.1,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -162,6 +153,7 @@ class BalancePlanner:
         self.count_data_time = bool(count_data_time)
         self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
+        self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
         self._models = ModelList(self._bank)
         self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
         self._last_move = np.zeros(world_size, dtype=np.int64)
@@ -233,10 +225,8 @@ class BalancePlanner:
 
     @property
     def predicted_step_time(self) -> float | None:
-        """The predicted step time of the current plan (``None`` before the first decision).
-
-        An integration where one rank decides sets it on the others with the plan, so every rank's
-        ``predicted_epoch_time`` in the history is the deciding rank's."""
+        """The predicted step time of the current plan (``None`` before the first decision); the deciding rank's,
+        set on the others with the plan, so every rank's history holds the same ``predicted_epoch_time``."""
         return self._predicted_step_time
 
     @predicted_step_time.setter
@@ -245,11 +235,11 @@ class BalancePlanner:
 
     def seed_model(self, rank: int, line: Sequence[float], batch_size: int | None = None,
                    data_time: float | None = None) -> None:
-        """Start ``rank``'s time model from a predicted ``(intercept, slope)`` line: a rank with no history (a
-        new node, a relocated rank). Measured steps replace the prediction (see
-        :meth:`~hetero_plugins.balancing.time_model.LinearTimeModel.from_params`; ``batch_size`` defaults to the rank's
-        current batch; ``data_time``: its data-loading seconds per step there, if known)."""
+        """Start ``rank``'s time model from a predicted ``(intercept, slope)`` line: a rank with no history (a new
+        node, a relocated rank), whose measured steps replace the prediction (:meth:`LinearTimeModel.from_params`;
+        ``batch_size`` defaults to its current batch; ``data_time``: its data seconds per step there, if known)."""
         size = self.plan[rank] if batch_size is None else batch_size
+        self._cliffs.forget(rank)
         if data_time is not None:
             self._data[rank] = check_float("data_time", data_time, minimum=0.0)
         opts = {k: v for k, v in self._bank.options().items() if k != "groups"}
@@ -275,13 +265,17 @@ class BalancePlanner:
         self._data = v
 
     def decision_lines(self) -> TimeModelLines:
-        """The lines the plan is decided on: :meth:`model_params` with each rank's data-loading seconds per step
-        added to its intercept (``count_data_time``; the lines' ``data`` says how much); a step takes
-        ``max_i (data_i + compute_i)`` before the all-reduce."""
+        """The lines the plan is decided on: :meth:`model_params` with each rank's data-loading seconds per step added
+        to its intercept (``count_data_time``; ``data`` says how much): a step takes ``max_i (data_i + compute_i)``."""
         lines = self._bank.lines()
         knee = beyond = None
-        if self.extrapolate == "proportional" and getattr(self.allocator, "reads_knees", False):
+        reads = getattr(self.allocator, "reads_knees", False)
+        if self.extrapolate == "proportional" and reads:
             knee, beyond = proportional_knees(lines, self._bank.measured_max(), self.knee_factor)
+        if reads and self._cliffs.epochs:  # memory cliffs: steeper past the plan where a larger batch ran slow
+            k, c = self._cliffs.knees(lines.intercept, lines.slope, self.plan, *((np.full(self.world_size, np.inf),
+                                      np.ones(self.world_size)) if knee is None else (knee, beyond)))
+            knee, beyond = (k, c) if np.isfinite(k).any() else (knee, beyond)
         if (not self.count_data_time or not self._data.any()) and knee is None:
             return lines
         data = self._data if self.count_data_time else np.zeros(self.world_size)
@@ -368,14 +362,16 @@ class BalancePlanner:
             raise ValueError(f"`records` must have shape ({self.world_size} ranks, steps, 3), got {records.shape}.")
         skip = max(0, self.warmup_steps - self._observed_steps)
         if records.shape[1] > skip:
+            changes = self._bank.change_points
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
+            self._cliffs.record(records[:, skip:, 0], records[:, skip:, 1], self._bank.change_points != changes)
             if records.shape[2] >= 3:
                 b, d = records[:, skip:, 0], records[:, skip:, 2]
                 ok = (b > 0) & np.isfinite(d) & (d >= 0)
                 seen = ok.any(axis=1)
                 if seen.any():
                     rows = np.where(ok, d, np.nan)[seen]
-                    med = _row_medians(rows) if ok[seen].all() else np.nanmedian(rows, axis=1)
+                    med = row_medians(rows) if ok[seen].all() else np.nanmedian(rows, axis=1)
                     self._data[seen] = med
         self._observed_steps += records.shape[1]
 
@@ -424,7 +420,7 @@ class BalancePlanner:
             with np.errstate(invalid="ignore", divide="ignore"):
                 levels = np.where(mean > 0, (top - tv.min(axis=0)) / mean, 0.0)
                 idles = np.where(top > 0, (top - tv).mean(axis=0) / top, 0.0)
-            per_rank_compute = _row_medians(tv).tolist()
+            per_rank_compute = row_medians(tv).tolist()
             per_rank_throughput = (bv.sum(axis=1) / np.maximum(tv.sum(axis=1), 1e-12)).tolist()
         else:
             levels = idles = np.zeros(0)
@@ -445,6 +441,7 @@ class BalancePlanner:
             "samples_per_s": None if not epoch_time else samples / float(epoch_time),
             "system": None if system is None else [None if m is None else dict(m) for m in system],
         }
+        self._cliffs.end_epoch()
         entry.update(self._decide())
         self.history.append(entry)
         return entry
@@ -553,6 +550,7 @@ class BalancePlanner:
             "predicted_step_time": self._predicted_step_time,
             "observed_steps": self._observed_steps,
             "data_time": self._data.tolist(),
+            "cliffs": self._cliffs.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], resize: bool = False) -> None:
@@ -584,6 +582,8 @@ class BalancePlanner:
         data = list(state.get("data_time", []))[:kept]
         self._data[: len(data)] = data
         self.history = list(state["history"])
+        if "cliffs" in state and not resized:
+            self._cliffs.load_state_dict(state["cliffs"])
         self._observed_steps = int(state.get("observed_steps", self.warmup_steps))
         if not resized:
             self.plan = [int(b) for b in state["plan"]]
