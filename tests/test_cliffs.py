@@ -123,7 +123,7 @@ def test_the_planner_settles_at_a_memory_cliff_near_the_exact_split() -> None:
     assert np.mean(off) >= 1.12, off  # 1.20: the swing the memory removes (so this test can fail)
     assert all(a < b for a, b in zip(on, off)), (on, off)
     # what it remembers travels in the planner's checkpoint
-    again = BalancePlanner(6, 480, max_batch_size=100)
+    again = BalancePlanner(6, 480, max_batch_size=100, cliff_epochs=4)
     again.load_state_dict(planner.state_dict())
     assert planner.state_dict()["cliffs"]["tick"] and again.state_dict()["cliffs"] == planner.state_dict()["cliffs"]
     assert again.decision_lines().knee.tolist() == planner.decision_lines().knee.tolist()

@@ -80,7 +80,7 @@ class BalancePlanner:
         cliff_epochs: for allocators that split on knees, each rank's median compute time at every batch it ran is
             kept this many epochs, and its batch is priced past the current one along the chord to a larger batch
             that ran ``cliff_tolerance`` slower than predicted (a memory cliff, which the time model reads as a
-            speed change; :mod:`hetero_plugins.balancing.cliffs`). 0: off. ``cliff_tolerance``: 0.1 is 10%.
+            speed change; :mod:`hetero_plugins.balancing.cliffs`). 0 (default): off. ``cliff_tolerance``: 0.1.
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
         count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
@@ -116,7 +116,7 @@ class BalancePlanner:
         extrapolation_tolerance: float | None = None,
         extrapolate: str = "proportional",
         knee_factor: float = 1.0,
-        cliff_epochs: int = 4,
+        cliff_epochs: int = 0,
         cliff_tolerance: float = 0.1,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
