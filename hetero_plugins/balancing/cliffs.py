@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
+from hetero_plugins.balancing.lines import curve_times
 
 __all__ = ["CliffMemory", "row_medians"]
 
@@ -129,8 +130,6 @@ class CliffMemory:
         much slower at or below the plan entry, or slower than a later run of as many samples or more, or along a
         chord more than ``steepest`` times the curve's slope, marks a slower past (a co-runner since gone): what
         the rank ran up to then is not read as a cliff."""
-        from hetero_plugins.balancing.lines import curve_times
-
         a, s = np.asarray(intercept, dtype=np.float64), np.asarray(slope, dtype=np.float64)
         k, c = np.asarray(knee, dtype=np.float64), np.asarray(beyond, dtype=np.float64)
         p = np.asarray(plan, dtype=np.float64)

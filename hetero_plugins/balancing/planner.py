@@ -77,10 +77,9 @@ class BalancePlanner:
             ``"dqn"``, ``"auto"``); ``"lbb"``, ``"proportional"`` and ``"static"`` use the plain lines.
         knee_factor: with ``extrapolate="proportional"``, the fitted line is trusted up to this multiple of the
             largest measured batch before the proportional pricing starts (>= 1; default 1, the most cautious).
-        cliff_epochs: for allocators that split on knees, each rank's median compute time at every batch it ran is
-            kept this many epochs, and its batch is priced past the current one along the chord to a larger batch
-            that ran ``cliff_tolerance`` slower than predicted (a memory cliff, which the time model reads as a
-            speed change; :mod:`hetero_plugins.balancing.cliffs`). 0 (default): off. ``cliff_tolerance``: 0.1.
+        cliff_epochs: epochs each rank's median compute time at every batch is kept (0, default: off) to price a
+            batch past the current one along the chord to a larger batch that ran ``cliff_tolerance`` (0.1) slower
+            than predicted: a memory cliff (:mod:`hetero_plugins.balancing.cliffs`; allocators with knees only).
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
             ``min_gain`` faster (0: compare the point predictions only).
         count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
@@ -362,9 +361,10 @@ class BalancePlanner:
             raise ValueError(f"`records` must have shape ({self.world_size} ranks, steps, 3), got {records.shape}.")
         skip = max(0, self.warmup_steps - self._observed_steps)
         if records.shape[1] > skip:
-            changes = self._bank.change_points
+            changes = self._bank.change_points if self._cliffs.epochs else None
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
-            self._cliffs.record(records[:, skip:, 0], records[:, skip:, 1], self._bank.change_points != changes)
+            if changes is not None:
+                self._cliffs.record(records[:, skip:, 0], records[:, skip:, 1], self._bank.change_points != changes)
             if records.shape[2] >= 3:
                 b, d = records[:, skip:, 0], records[:, skip:, 2]
                 ok = (b > 0) & np.isfinite(d) & (d >= 0)
