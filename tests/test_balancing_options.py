@@ -38,6 +38,7 @@ def test_doctests():
         (dict(half_life=0), "`half_life` must be >= 0.5, got 0.0"),
         (dict(half_life=1e-10), "`half_life` must be >= 0.5"),  # at 1e-10 the time models turned NaN
         (dict(warmup_steps=-1), "`warmup_steps` must be >= 0"),
+        (dict(cliff_epochs=-1), "`cliff_epochs` must be >= 0.*HINT: e.g. 4"),
         (dict(replan_every=0), "`replan_every` must be >= 1, got 0.*HINT: use None"),
         (dict(memory_headroom=0.0), "`memory_headroom` must be > 0.0.*HINT"),
         (dict(memory_headroom=1.5), "`memory_headroom` must be <= 1.0.*HINT"),
@@ -89,6 +90,7 @@ def test_options_are_frozen_typed_and_normalised(tmp_path):
         world_size=3, global_batch=30, plan=[12, 10, 8])
     assert planner.plan == [12, 10, 8] and planner.allocator.name == "lbb"
     assert (planner.min_batch_size, planner.max_batch_size, planner.warmup_steps) == (2, 40, 0)
+    assert planner.cliff_epochs == 4 and BalancingOptions(cliff_epochs=0).planner(2, 8).cliff_epochs == 0
 
 
 def test_from_kwargs_pops_its_options_and_the_policy_alias():

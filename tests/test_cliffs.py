@@ -127,3 +127,20 @@ def test_the_planner_settles_at_a_memory_cliff_near_the_exact_split() -> None:
     again.load_state_dict(planner.state_dict())
     assert planner.state_dict()["cliffs"]["tick"] and again.state_dict()["cliffs"] == planner.state_dict()["cliffs"]
     assert again.decision_lines().knee.tolist() == planner.decision_lines().knee.tolist()
+
+
+def test_renumbered_ranks_take_what_their_earlier_rank_learned_and_bad_orders_name_the_argument() -> None:
+    p = BalancePlanner(3, 48, cliff_epochs=4)
+    rec = np.zeros((3, 6, 3))
+    rec[:, :, 0], rec[:, :, 2] = 16, [[0.0], [0.01], [0.02]]
+    rec[:, :, 1] = np.array([0.016, 0.032, 0.064])[:, None]
+    p.end_epoch(0, rec)
+    slopes, plan = [m.params().slope for m in p.models], list(p.plan)
+    p.follow_ranks([2, -1, 0])
+    assert p.models[0].params().slope == pytest.approx(slopes[2]) and p.models[1].params() is None
+    assert p.models[2].params().slope == pytest.approx(slopes[0]) and p.plan == plan  # the plan is kept
+    assert p.data_time == pytest.approx([0.02, 0.0, 0.0])
+    assert p.state_dict()["cliffs"]["batch"] == [[16.0, -1.0, 16.0]]
+    for bad, name in (([0, 0, 1], "`old`"), ([0, 1], "`old`"), ([0, 1, 3], "`old`"), ([0, -2, 1], r"`old\[1\]`")):
+        with pytest.raises(ValueError, match=name):
+            p.follow_ranks(bad)

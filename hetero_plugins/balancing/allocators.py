@@ -38,6 +38,7 @@ __all__ = [
     "fitted_models",
     "knee_arrays",
     "LBBAllocator",
+    "reroute_backlog",
     "ProportionalAllocator",
     "StaticAllocator",
     "get_allocator",
@@ -140,6 +141,31 @@ def largest_remainder(shares: Sequence[float], total: int, bounds: Bounds) -> li
                 out[i] -= 1
                 missing += 1
     return [int(v) for v in out]
+
+
+def reroute_backlog(plan: Sequence[int], backlog: Sequence[float], bounds: Bounds, total: int) -> list[int]:
+    """``plan`` re-routed so that ranks with a ``backlog`` (extra samples of work per step) get fewer new samples.
+
+    Each rank's new samples shrink by its backlog (down to its lower bound), and what it gives up goes to the ranks
+    without backlog in proportion to their batches in ``plan``; the result still sums to ``total``.
+
+    Example::
+
+        >>> reroute_backlog([15, 10, 5], [0, 4, 0], Bounds.uniform(3), 30)
+        [18, 6, 6]
+    """
+    extra = [max(0.0, float(c)) for c in backlog]
+    plan = [int(b) for b in plan]
+    if len(extra) != len(plan) or not any(extra):
+        return plan
+    give = [min(c, b - lo) for c, b, lo in zip(extra, plan, bounds.min_batch)]
+    weights = [b if c == 0 else 0.0 for b, c in zip(plan, extra)]
+    if not any(weights) or sum(give) <= 0:
+        return plan
+    pool, total_w = sum(give), sum(weights)
+    target = [b - g + pool * w / total_w for b, g, w in zip(plan, give, weights)]
+    lo = tuple(min(b, lo) for b, lo in zip(plan, bounds.min_batch))
+    return largest_remainder(target, total, Bounds(lo, bounds.max_batch))
 
 
 def _line_arrays(models: Sequence[TimeModelParams | None]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -110,6 +110,10 @@ class BalancingOptions:
             plateau's flat line does not hand one rank a batch it has never run at almost for free;
             ``"line"`` by the fitted line (see :class:`~hetero_plugins.balancing.planner.BalancePlanner`).
             Used by ``"auto"``, ``"equal_finish"`` and ``"dqn"``.
+        cliff_epochs: epochs a rank remembers what each batch size it ran cost, so that past a memory cliff it
+            has crossed (a larger batch that ran more than 10% slower than its line predicts) its time grows along
+            the chord to that batch instead of the split swinging it across the cliff and back (default 4;
+            ``0`` turns the memory off; :mod:`hetero_plugins.balancing.cliffs`). Same allocators as ``extrapolate``.
         locality: keep each rank's shard of the data across epochs and plan changes (LOFT); by default every
             step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: give validation/test/predict loaders per-rank batch sizes too (Lightning strategies).
@@ -166,6 +170,7 @@ class BalancingOptions:
     warmup_steps: int = 1
     count_data_time: bool = True
     extrapolate: str = "proportional"
+    cliff_epochs: int = 4
     locality: bool = False
     balance_eval: bool = True
     replan_every: int | None = 5
@@ -188,7 +193,7 @@ class BalancingOptions:
             if isinstance(self.min_batch_size, numbers.Integral) and not isinstance(self.min_batch_size, bool) else 1,
             allocator=self.allocator, min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
             min_gain=self.min_gain, half_life=self.half_life, warmup_steps=self.warmup_steps,
-            extrapolate=self.extrapolate,
+            extrapolate=self.extrapolate, cliff_epochs=self.cliff_epochs,
         )
         self._set("min_gain", float(self.min_gain))
         self._set("half_life", float(self.half_life))
@@ -285,5 +290,5 @@ class BalancingOptions:
             allocator=self.allocator if allocator is None else allocator,
             min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size, min_gain=self.min_gain,
             half_life=self.half_life, warmup_steps=self.warmup_steps, initial_plan=plan,
-            count_data_time=self.count_data_time, extrapolate=self.extrapolate,
+            count_data_time=self.count_data_time, extrapolate=self.extrapolate, cliff_epochs=self.cliff_epochs,
         )

@@ -28,7 +28,14 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_float, check_int
-from hetero_plugins.balancing.allocators import Allocator, Bounds, get_allocator, largest_remainder, min_makespan_split
+from hetero_plugins.balancing.allocators import (
+    Allocator,
+    Bounds,
+    get_allocator,
+    largest_remainder,
+    min_makespan_split,
+    reroute_backlog,
+)
 from hetero_plugins.balancing.cliffs import CliffMemory, row_medians
 from hetero_plugins.balancing.lines import proportional_knees
 from hetero_plugins.balancing.time_model import (
@@ -77,7 +84,7 @@ class BalancePlanner:
             ``"dqn"``, ``"auto"``); ``"lbb"``, ``"proportional"`` and ``"static"`` use the plain lines.
         knee_factor: with ``extrapolate="proportional"``, the fitted line is trusted up to this multiple of the
             largest measured batch before the proportional pricing starts (>= 1; default 1, the most cautious).
-        cliff_epochs: epochs each rank's median compute time at every batch is kept (0, default: off) to price a
+        cliff_epochs: epochs each rank's median compute time at every batch is kept (default 4; 0: off) to price a
             batch past the current one along the chord to a larger batch that ran ``cliff_tolerance`` (0.1) slower
             than predicted: a memory cliff (:mod:`hetero_plugins.balancing.cliffs`; allocators with knees only).
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
@@ -115,7 +122,7 @@ class BalancePlanner:
         extrapolation_tolerance: float | None = None,
         extrapolate: str = "proportional",
         knee_factor: float = 1.0,
-        cliff_epochs: int = 0,
+        cliff_epochs: int = 4,
         cliff_tolerance: float = 0.1,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
@@ -153,6 +160,7 @@ class BalancePlanner:
         self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
         self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
+        self.cliff_epochs = self._cliffs.epochs  #: as given (read-only: the memory is built with it)
         self._models = ModelList(self._bank)
         self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
         self._last_move = np.zeros(world_size, dtype=np.int64)
@@ -245,6 +253,23 @@ class BalancePlanner:
         self.models[rank] = LinearTimeModel.from_params(TimeModelParams(*(float(x) for x in line)), max(1, int(size)),
                                                         half_life=self.models[rank].half_life, **opts)
 
+    def follow_ranks(self, old: Sequence[int]) -> None:
+        """Rank i takes what rank ``old[i]`` learned (time model, data wait, memory cap, damping, cliff memory); -1:
+        rank i is new and starts afresh. For ranks renumbered by an elastic reset (:func:`~hetero_plugins.horovod.
+        elastic.follow_slots`); the plan is kept (decide again to re-split)."""
+        idx = np.asarray([check_int(f"old[{i}]", o, minimum=-1) for i, o in enumerate(old)], dtype=np.int64)
+        if len(idx) != self.world_size or (idx >= self.world_size).any() or len(set(idx[idx >= 0])) < (idx >= 0).sum():
+            raise ValueError(f"`old`={list(old)} must give each of the {self.world_size} ranks a distinct earlier rank "
+                             f"in 0..{self.world_size - 1}, or -1 for a new one. HINT: one entry per rank.")
+        new, src = idx < 0, np.maximum(idx, 0)
+        self.models = [LinearTimeModel(half_life=m.half_life) if n else self.models[j]
+                       for n, j, m in zip(new, src, self.models)]
+        self._data = np.where(new, 0.0, self._data[src])
+        self.memory_caps = [None if n else self.memory_caps[j] for n, j in zip(new, src)]
+        top = math.inf if self.max_change_factor is None else float(self.max_change_factor)
+        self._factor, self._last_move = np.where(new, top, self._factor[src]), np.where(new, 0, self._last_move[src])
+        self._cliffs.follow(idx)
+
     def model_params(self) -> TimeModelLines:
         """Every rank's fitted line of compute seconds: a sequence of :class:`TimeModelParams` (``None`` where a
         rank has no model yet) backed by arrays."""
@@ -318,36 +343,14 @@ class BalancePlanner:
         return [float(r) if math.isfinite(r) and s > 0 else None for r, s in zip(rate, seconds)]
 
     def plan_with_backlog(self, backlog: Sequence[float]) -> list[int]:
-        """The current plan re-routed so that ranks with a backlog get fewer new samples per step.
+        """The current plan re-routed so that ranks with a backlog get fewer new samples per step
+        (:func:`~hetero_plugins.balancing.allocators.reroute_backlog`, within this planner's bounds).
 
         ``backlog[r]`` is the work (in samples per step) rank r must do on top of its new samples, e.g. the
-        micro-batches that missed a deadline spread over the next steps (``aggregation="deadline"``). Each
-        rank's new samples shrink by its backlog (down to ``min_batch_size``), and what it gives up goes to
-        the ranks without backlog in proportion to their current shares (proportional to their speeds under
-        an equal-finish plan). The time models are not consulted: the steps that made the backlog are the
-        ones they describe worst. The result still sums to the global batch.
-
-        Example::
-
-            >>> p = BalancePlanner(world_size=3, global_batch=30, initial_plan=[15, 10, 5])
-            >>> p.plan_with_backlog([0, 4, 0])
-            [18, 6, 6]
+        micro-batches that missed a deadline spread over the next steps (``aggregation="deadline"``). The time
+        models are not consulted: the steps that made the backlog are the ones they describe worst.
         """
-        extra = [max(0.0, float(c)) for c in backlog]
-        plan = list(self.plan)
-        if len(extra) != self.world_size or not any(extra):
-            return plan
-        bounds = self.bounds
-        give = [min(c, b - lo) for c, b, lo in zip(extra, plan, bounds.min_batch)]
-        takers = [r for r in range(self.world_size) if extra[r] == 0]
-        if not takers or sum(give) <= 0:
-            return plan
-        pool = sum(give)
-        weights = [plan[r] if r in takers else 0.0 for r in range(self.world_size)]
-        total_w = sum(weights)
-        target = [b - g + pool * w / total_w for b, g, w in zip(plan, give, weights)]
-        lo = tuple(min(b, lo) for b, lo in zip(plan, bounds.min_batch))
-        return largest_remainder(target, self.global_batch, Bounds(lo, bounds.max_batch))
+        return reroute_backlog(self.plan, backlog, self.bounds, self.global_batch)
 
     def skip_warmup(self) -> None:
         """Treat the run's warm-up as done: for a planner taking over from an earlier one of the same run (an
@@ -446,11 +449,6 @@ class BalancePlanner:
         self.history.append(entry)
         return entry
 
-    def _trust_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
-        """``bounds`` narrowed to within ``max_change_factor`` (per rank, damped) of the current plan and to
-        ``extrapolation_tolerance`` beyond the sizes each rank has measured."""
-        return self._extrapolation_bounds(self._change_bounds(bounds, current), current)
-
     def _extrapolation_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
         """``bounds`` with each rank's upper end lowered to its extrapolation limit (never below its current
         batch or its lower end; unchanged where that would leave the global batch no room)."""
@@ -519,7 +517,8 @@ class BalancePlanner:
         bounds = self.bounds
         current = list(self.plan)
         proposal = self.allocator.allocate(self.decision_lines(), self.global_batch, bounds, current=current)
-        proposal = self._damp([int(b) for b in proposal], self._trust_bounds(bounds, current))
+        trust = self._extrapolation_bounds(self._change_bounds(bounds, current), current)  # damping, extrapolation
+        proposal = self._damp([int(b) for b in proposal], trust)
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
         cur = np.asarray(current)
         out_of_bounds = bool(((cur < np.asarray(bounds.min_batch)) | (cur > np.asarray(bounds.max_batch))).any())

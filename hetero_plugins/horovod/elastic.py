@@ -16,7 +16,6 @@ from typing import Any
 
 from hetero_plugins._files import write_atomic
 from hetero_plugins.balancing.planner import BalancePlanner
-from hetero_plugins.balancing.time_model import LinearTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +69,10 @@ def follow_slots(planner: BalancePlanner, before: Sequence[str], hosts: Sequence
                  predicted: Mapping[str, Any]) -> None:
     """Give rank i the time model of slot ``hosts[i]`` (from ``before``, rank order of the last boundary); a
     slot without one starts fresh, from its host's ``predicted`` entry (:func:`predicted_lines`) if there is one."""
-    old = dict(zip(before, planner.models))
-    waits = dict(zip(before, planner.data_time))  # a slot's wait for data follows it too (0 for a new one)
-    fresh = [LinearTimeModel(half_life=m.half_life) for m in planner.models]
-    planner.models = [old.get(key, fresh[i]) for i, key in enumerate(hosts)]
-    planner.data_time = [waits.get(key, 0.0) for key in hosts]
+    rank = {key: r for r, key in enumerate(before)}
+    planner.follow_ranks([rank.get(key, -1) for key in hosts])  # model, data wait, cliffs: all follow the slot
     for i, key in enumerate(hosts):
-        entry = None if key in old else predicted.get(key.rsplit("[", 1)[0])
+        entry = None if key in rank else predicted.get(key.rsplit("[", 1)[0])
         if entry:
             planner.seed_model(i, entry["line"], batch_size=entry.get("batch"))
 

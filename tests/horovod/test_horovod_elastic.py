@@ -187,3 +187,23 @@ def test_after_a_reset_each_slot_keeps_its_time_model_and_its_wait_for_data():
     # A predicted line that stands for a batch size (the restart spec's "batch") is known up to it.
     follow_slots(p, ["b[0]", "c[0]"], ["b[0]", "d[0]"], {"d": {"line": [0.001, 0.001], "batch": 24}})
     assert p.models[1].params().slope == pytest.approx(0.001) and p._bank.measured_max()[1] == 24
+
+
+def test_after_a_reset_what_a_slot_measured_follows_it_not_the_rank_number():
+    # The failure this guards (seen in a full make test): slot s[0] (rank 0, 10 ms per sample) is replaced by c[0],
+    # and a[0] (4 ms per sample) becomes rank 0. Rank 0 kept s[0]'s memory of 16 samples in 0.16 s, read it as a
+    # memory cliff past a[0]'s plan and gave the new worker 20-21 of 32 for the rest of the run instead of 16.
+    from hetero_plugins.balancing.planner import BalancePlanner
+    from hetero_plugins.horovod.elastic import follow_slots
+
+    p = BalancePlanner(2, 32, cliff_epochs=4, max_batch_size=32, initial_plan=[16, 16])
+    rec = np.zeros((2, 6, 3))
+    rec[:, :, 0], rec[0, :, 1], rec[1, :, 1] = 16, 0.16, 0.064
+    p.end_epoch(0, rec)
+    assert p.plan[0] < 12  # the slow slot got less work
+    p.memory_caps = [20, None]  # a memory cap travels with its slot too (s[0] is gone)
+    follow_slots(p, ["s[0]", "a[0]"], ["a[0]", "c[0]"], {"c": {"line": [0.0, 0.004], "batch": 16}})
+    assert p.memory_caps == [None, None] and p.models[0].params().slope == pytest.approx(0.004)
+    assert p.state_dict()["cliffs"]["batch"] == [[16.0, -1.0]]  # a[0]'s own memory; the new slot has none
+    p.replan()
+    assert p.plan == [16, 16]
