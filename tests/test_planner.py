@@ -187,3 +187,28 @@ def test_an_initial_plan_above_the_largest_batch_is_refused():
     with pytest.raises(ValueError, match=r"`initial_plan`=\[60, 4\] .* between 1 and 40"):
         BalancePlanner(2, 64, max_batch_size=40, initial_plan=[60, 4])
     assert BalancePlanner(2, 64, max_batch_size=40, initial_plan=[40, 24]).plan == [40, 24]
+
+
+def test_a_relocated_rank_gets_its_share_at_once_and_is_damped_again_once_measured():
+    """A rank seeded on a new device (a relocation) is re-split to what its predicted line is worth, past the
+    ``max_change_factor`` its old place's batch would allow: the move's predicted gain assumed that re-split (a
+    five-rank validation cluster kept a rank moved to a free fast slot at 16 of 1280 samples and lost the restart
+    cost: 0.98x no relocation). Once measured it is damped again."""
+
+    def rec(plan, per_sample):
+        r = np.zeros((2, 6, 3))
+        r[:, :, 0] = np.asarray(plan)[:, None]
+        r[:, :, 1] = (np.asarray(plan) * np.asarray(per_sample))[:, None]
+        return r
+
+    p = BalancePlanner(2, 256, warmup_steps=0)
+    p.end_epoch(0, rec([128, 128], [0.001, 0.032]))
+    p.end_epoch(1, rec(p.plan, [0.001, 0.032]))
+    slow = list(p.plan)
+    assert slow[1] <= 10  # 32x slower: a few samples
+    p.seed_model(1, (0.0, 0.001), batch_size=256)  # moved to a device as fast as rank 0's
+    p.replan()
+    assert p.plan == [128, 128], (slow, p.plan)  # not 8x its old batch at most
+    p.end_epoch(2, rec([128, 128], [0.001, 0.001]))
+    p.end_epoch(3, rec([128, 128], [0.001, 0.064]))  # measured there, then 64x slower: damped to 8x down at most
+    assert p.plan[1] == 16, p.plan

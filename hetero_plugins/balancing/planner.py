@@ -162,7 +162,8 @@ class BalancePlanner:
         self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
         self.cliff_epochs = self._cliffs.epochs  #: as given (read-only: the memory is built with it)
         self._models = ModelList(self._bank)
-        self._factor = np.full(world_size, math.inf if max_change_factor is None else float(max_change_factor))
+        self._top_factor = math.inf if max_change_factor is None else float(max_change_factor)
+        self._factor = np.full(world_size, self._top_factor)
         self._last_move = np.zeros(world_size, dtype=np.int64)
         self.memory_caps: list[int | None] = [None] * world_size
         self.bounds.check_feasible(global_batch)
@@ -247,6 +248,7 @@ class BalancePlanner:
         ``batch_size`` defaults to its current batch; ``data_time``: its data seconds per step there, if known)."""
         size = self.plan[rank] if batch_size is None else batch_size
         self._cliffs.forget(rank)
+        self._factor[rank], self._last_move[rank] = math.inf, 0  # undamped until measured: its past was elsewhere
         if data_time is not None:
             self._data[rank] = check_float("data_time", data_time, minimum=0.0)
         opts = {k: v for k, v in self._bank.options().items() if k != "groups"}
@@ -254,9 +256,8 @@ class BalancePlanner:
                                                         half_life=self.models[rank].half_life, **opts)
 
     def follow_ranks(self, old: Sequence[int]) -> None:
-        """Rank i takes what rank ``old[i]`` learned (time model, data wait, memory cap, damping, cliff memory); -1:
-        rank i is new and starts afresh. For ranks renumbered by an elastic reset (:func:`~hetero_plugins.horovod.
-        elastic.follow_slots`); the plan is kept (decide again to re-split)."""
+        """Rank i takes what rank ``old[i]`` learned (time model, data wait, memory cap, damping, cliff memory); -1: a
+        new rank, started afresh. For ranks renumbered (an elastic reset); the plan is kept (decide to re-split)."""
         idx = np.asarray([check_int(f"old[{i}]", o, minimum=-1) for i, o in enumerate(old)], dtype=np.int64)
         if len(idx) != self.world_size or (idx >= self.world_size).any() or len(set(idx[idx >= 0])) < (idx >= 0).sum():
             raise ValueError(f"`old`={list(old)} must give each of the {self.world_size} ranks a distinct earlier rank "
@@ -266,8 +267,8 @@ class BalancePlanner:
                        for n, j, m in zip(new, src, self.models)]
         self._data = np.where(new, 0.0, self._data[src])
         self.memory_caps = [None if n else self.memory_caps[j] for n, j in zip(new, src)]
-        top = math.inf if self.max_change_factor is None else float(self.max_change_factor)
-        self._factor, self._last_move = np.where(new, top, self._factor[src]), np.where(new, 0, self._last_move[src])
+        self._factor = np.where(new, self._top_factor, self._factor[src])
+        self._last_move = np.where(new, 0, self._last_move[src])
         self._cliffs.follow(idx)
 
     def model_params(self) -> TimeModelLines:
@@ -339,8 +340,7 @@ class BalancePlanner:
         b = np.asarray(plan, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             seconds = np.where(lines.known & (b > 0), lines.intercept + lines.slope * b, np.nan)
-            rate = b / seconds
-        return [float(r) if math.isfinite(r) and s > 0 else None for r, s in zip(rate, seconds)]
+            return [float(r) if math.isfinite(r) and s > 0 else None for r, s in zip(b / seconds, seconds)]
 
     def plan_with_backlog(self, backlog: Sequence[float]) -> list[int]:
         """The current plan re-routed so that ranks with a backlog get fewer new samples per step
@@ -366,6 +366,8 @@ class BalancePlanner:
         if records.shape[1] > skip:
             changes = self._bank.change_points if self._cliffs.epochs else None
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
+            got = np.isfinite(records[:, skip:, 1]).any(axis=1)  # a seeded rank, once measured, is damped again
+            self._factor[got] = np.minimum(self._factor[got], self._top_factor)
             if changes is not None:
                 self._cliffs.record(records[:, skip:, 0], records[:, skip:, 1], self._bank.change_points != changes)
             if records.shape[2] >= 3:
@@ -374,8 +376,7 @@ class BalancePlanner:
                 seen = ok.any(axis=1)
                 if seen.any():
                     rows = np.where(ok, d, np.nan)[seen]
-                    med = row_medians(rows) if ok[seen].all() else np.nanmedian(rows, axis=1)
-                    self._data[seen] = med
+                    self._data[seen] = row_medians(rows) if ok[seen].all() else np.nanmedian(rows, axis=1)
         self._observed_steps += records.shape[1]
 
     def replan(self, records: np.ndarray | None = None) -> dict[str, Any]:
