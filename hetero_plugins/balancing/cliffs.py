@@ -124,10 +124,10 @@ class CliffMemory:
     def follow(self, old: Any) -> None:
         """Rank i takes what rank ``old[i]`` measured (-1: nothing; the ranks were renumbered)."""
         idx = np.asarray(old, dtype=np.int64)
-        keep = idx >= 0
-        self._b = np.where(keep[None], self._b[:, np.maximum(idx, 0)], np.nan)
-        self._t = np.where(keep[None], self._t[:, np.maximum(idx, 0)], np.nan)
-        self._odd = keep[None] & self._odd[:, np.maximum(idx, 0)]
+        keep, src = idx[None] >= 0, np.maximum(idx, 0)
+        self._b = np.where(keep, self._b[:, src], np.nan)
+        self._t = np.where(keep, self._t[:, src], np.nan)
+        self._odd = keep & self._odd[:, src]
 
     def knees(self, intercept: Any, slope: Any, plan: Any, knee: Any, beyond: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(knee, beyond)`` per rank for the curve ``intercept + slope b`` with the given ``knee`` / ``beyond``

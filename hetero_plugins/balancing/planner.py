@@ -160,7 +160,7 @@ class BalancePlanner:
         self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
         self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
-        self.cliff_epochs = self._cliffs.epochs  #: as given (read-only: the memory is built with it)
+        self.cliff_epochs = self._cliffs.epochs  #: as built (setting it later changes nothing)
         self._models = ModelList(self._bank)
         self._top_factor = math.inf if max_change_factor is None else float(max_change_factor)
         self._factor = np.full(world_size, self._top_factor)
