@@ -39,6 +39,7 @@ def test_doctests():
         (dict(half_life=1e-10), "`half_life` must be >= 0.5"),  # at 1e-10 the time models turned NaN
         (dict(warmup_steps=-1), "`warmup_steps` must be >= 0"),
         (dict(cliff_epochs=-1), "`cliff_epochs` must be >= 0.*HINT: e.g. 4"),
+        (dict(regime_reset="no"), "`regime_reset` must be True or False, got 'no'.*HINT"),
         (dict(replan_every=0), "`replan_every` must be >= 1, got 0.*HINT: use None"),
         (dict(memory_headroom=0.0), "`memory_headroom` must be > 0.0.*HINT"),
         (dict(memory_headroom=1.5), "`memory_headroom` must be <= 1.0.*HINT"),
@@ -91,6 +92,7 @@ def test_options_are_frozen_typed_and_normalised(tmp_path):
     assert planner.plan == [12, 10, 8] and planner.allocator.name == "lbb"
     assert (planner.min_batch_size, planner.max_batch_size, planner.warmup_steps) == (2, 40, 0)
     assert planner.cliff_epochs == 4 and BalancingOptions(cliff_epochs=0).planner(2, 8).cliff_epochs == 0
+    assert planner.regime_reset is True and BalancingOptions(regime_reset=False).planner(2, 8).regime_reset is False
 
 
 def test_from_kwargs_pops_its_options_and_the_policy_alias():

@@ -116,7 +116,7 @@ def test_the_learned_allocators_split_on_the_knee_scaled_by_their_corrections() 
     bounds = Bounds.uniform(2, max_batch=1000)
     assert DQNAllocator().allocate(lines, 400, bounds) == [300, 100]
     assert AutoAllocator().allocate(lines, 400, bounds) == [300, 100]
-    dqn = DQNAllocator()
+    dqn = DQNAllocator(hedge=0.0)  # the point correction (the hedge: tests/test_hedge.py)
     dqn.split(lines, 400, bounds, np.array([2.0, 1.0]))  # rank 0 announced 2x slower: the whole curve doubles
     want = min_makespan_split([0.18, 0.0], [0.0002, 0.003], 400, [1, 1], [1000, 1000], [100.0, np.inf], [0.002, 1.0])
     assert dqn.split(lines, 400, bounds, np.array([2.0, 1.0])) == want.tolist()

@@ -45,8 +45,8 @@ def _arrival_then_departure(ncf_says: float, truth: float, defaults: bool = Fals
     leaves at epoch 3. Returns the allocator (trusting measured ratios, not unchecked predictions; ``defaults``:
     the default options), its plan for epoch 3 and equal_finish's on the same lines."""
     table = TablePredictor({("t4", "video"): ncf_says, ("v100", "video"): 1.4})
-    auto = AutoAllocator(interference=table) if defaults else \
-        AutoAllocator(interference=table, trust_unverified=False, measured_ratios=True)
+    auto = AutoAllocator(hedge=0.0, interference=table) if defaults else \
+        AutoAllocator(hedge=0.0, interference=table, trust_unverified=False, measured_ratios=True)
     bounds = Bounds.uniform(4)
     models = [FAST] * 3 + [SLOW]
     first = auto.allocate(models, 256, bounds)
@@ -92,7 +92,7 @@ def test_auto_corrects_a_measured_change_by_the_measured_ratio_whatever_the_ncf_
     assert default.last_choice == "ncf" and default.sources == {"measured": 0, "ncf": 2}
     assert plan == _exact(measured, [1.0, 1.0, 1.0, 1 / ncf_says]) and default.disagreements == 0
     # The default (trust_unverified=True) corrects the first arrival on the NCF's word.
-    trusting = AutoAllocator(interference=TablePredictor({("t4", "video"): 2.0}))
+    trusting = AutoAllocator(hedge=0.0, interference=TablePredictor({("t4", "video"): 2.0}))
     trusting.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["video"])
     told = trusting.allocate([FAST] * 3 + [SLOW], 256, Bounds.uniform(4))
     assert trusting.last_choice == "ncf" and told == _exact([FAST] * 3 + [SLOW], [1.0, 1.0, 1.0, 2.0])
@@ -104,7 +104,7 @@ def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_referen
     models = [FAST] * 3 + [SLOW]
     bounds = Bounds.uniform(4)
     for gate_split in (True, False):
-        auto = AutoAllocator(interference=table, min_record=1, gate_split=gate_split)
+        auto = AutoAllocator(hedge=0.0, interference=table, min_record=1, gate_split=gate_split)
         auto.ncf_errors.append(float(np.log(2.0 / 1.2)))  # one measured change, predicted 67% too slow
         auto.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
         plan = auto.allocate(models, 256, bounds)
@@ -114,12 +114,12 @@ def test_auto_distrusts_an_ncf_with_a_bad_track_record_and_a_disagreeing_referen
             assert "NCF median error 67%" in auto.last_reason
         else:  # the default: the announced change is still corrected by the NCF
             assert auto.last_choice == "ncf" and plan == _exact(models, [1.0, 1.0, 1.0, 1.5])
-    noisy = AutoAllocator(interference=table, gate_split=True, max_noise=0.01)
+    noisy = AutoAllocator(hedge=0.0, interference=table, gate_split=True, max_noise=0.01)
     noisy._residuals.append(np.array([0.1, -0.1, 0.12]))  # the lines missed this epoch's times by ~10%
     noisy.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
     assert noisy.allocate(models, 256, bounds) == EqualFinishAllocator().allocate(models, 256, bounds)
     assert "residual spread" in noisy.last_reason and "residual spread" in noisy.trusted()
-    ref = AutoAllocator(interference=TablePredictor({("t4", "etl"): 1.5}),
+    ref = AutoAllocator(hedge=0.0, interference=TablePredictor({("t4", "etl"): 1.5}),
                         reference=TablePredictor({("t4", "etl"): 1.1}))
     ref.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 3 + ["etl"])
     ref.allocate(models, 256, Bounds.uniform(4))
@@ -159,7 +159,7 @@ def test_dqn_split_is_the_exact_split_on_ncf_corrected_lines():
     table = {("v100", "video"): 1.4, ("t4", "video"): 1.9, ("v100", "etl"): 1.2, ("t4", "etl"): 1.3}
     for _ in range(20):
         n, devices, old, new, a, s, lo, hi, gb = _random_cluster(rng, 40)
-        dqn = DQNAllocator(interference=TablePredictor(table))
+        dqn = DQNAllocator(hedge=0.0, interference=TablePredictor(table))
         dqn.set_context(devices=devices, corunners=old, next_corunners=new)
         plan = dqn.allocate([P(x, y) for x, y in zip(a, s)], gb, Bounds(tuple(map(int, lo)), tuple(map(int, hi))))
         f = InterferenceCorrection(TablePredictor(table)).factors("training", devices, old, new)
@@ -187,8 +187,8 @@ def test_corrections_scale_the_compute_and_leave_the_wait_for_data():
         f = InterferenceCorrection(TablePredictor(table)).factors("training", devices, old, new)
         expected = min_makespan_split(a * f + data, s * f, gb, lo, hi).tolist()
         bounds = Bounds(tuple(map(int, lo)), tuple(map(int, hi)))
-        for alloc in (DQNAllocator(interference=TablePredictor(table)),
-                      AutoAllocator(interference=TablePredictor(table))):
+        for alloc in (DQNAllocator(hedge=0.0, interference=TablePredictor(table)),
+                      AutoAllocator(hedge=0.0, interference=TablePredictor(table))):
             alloc.set_context(devices=devices, corunners=old, next_corunners=new)
             lines = _with_data(a, s, data)
             plan = alloc.allocate(lines, gb, bounds)
@@ -196,7 +196,8 @@ def test_corrections_scale_the_compute_and_leave_the_wait_for_data():
             assert alloc.predict_makespan(lines, plan) == pytest.approx(float(np.max(a * f + data + s * f * plan)))
     # The planner hands its allocator the data it counts: a rank waiting 150 ms for each batch, whose co-runner
     # (2x) leaves, gains nothing from its compute running twice as fast, since the others finish first anyway.
-    planner = BalancePlanner(2, 128, allocator=DQNAllocator(interference=TablePredictor({("t4", "etl"): 2.0})))
+    dqn = DQNAllocator(hedge=0.0, interference=TablePredictor({("t4", "etl"): 2.0}))
+    planner = BalancePlanner(2, 128, allocator=dqn)
     batch = np.tile(np.repeat([32.0, 96.0], 10), 2).reshape(2, 20)  # both ranks measured at 32 and 96 samples
     compute = np.array([[1.0], [2.0]]) * (0.002 + 0.001 * batch)  # rank 1 beside the co-runner: 2x
     planner.observe(np.stack([batch, compute, np.array([[0.0], [0.15]]) + 0 * batch], axis=2))
@@ -213,7 +214,7 @@ def test_auto_measures_a_corunners_slowdown_on_the_compute_alone():
     the wait for data a rank's intercept holds would dilute it (a 2x slowdown of a rank waiting 50 ms a step
     for data was measured as 1.13x)."""
     table = TablePredictor({("t4", "video"): 2.0, ("v100", "video"): 1.4})
-    auto = AutoAllocator(interference=table)
+    auto = AutoAllocator(hedge=0.0, interference=table)
     a, s, data = np.array([0.005] * 3 + [0.006]), np.array([0.0005] * 3 + [0.0012]), np.array([0.0, 0, 0, 0.05])
     bounds = Bounds.uniform(4)
     plan = auto.allocate(_with_data(a, s, data), 256, bounds)
@@ -266,7 +267,7 @@ def test_auto_learns_no_slowdown_from_a_rank_that_just_moved():
     co-runner arriving there is not learned as a measured slowdown (on a generated cluster one was measured as a
     2x speed-up, and the next rank that co-runner joined was given twice its batch), while the same arrival
     beside a rank that stayed put is."""
-    auto = AutoAllocator(interference=TablePredictor({("t4", "video"): 1.5, ("v100", "video"): 1.4}))
+    auto = AutoAllocator(hedge=0.0, interference=TablePredictor({("t4", "video"): 1.5, ("v100", "video"): 1.4}))
     bounds = Bounds.uniform(4)
     models = [FAST] * 3 + [SLOW]
     plan = auto.allocate(models, 256, bounds)
@@ -285,7 +286,7 @@ def test_auto_learns_no_slowdown_from_a_rank_that_just_moved():
     assert auto.measured_ratio("training", "v100", None, "video") == pytest.approx(1.4)
     assert auto.measured_ratio("training", "t4", None, "video") is None
     # without the move, the same measurement would have been learned
-    still = AutoAllocator(interference=TablePredictor({("t4", "video"): 1.5, ("v100", "video"): 1.4}))
+    still = AutoAllocator(hedge=0.0, interference=TablePredictor({("t4", "video"): 1.5, ("v100", "video"): 1.4}))
     p = still.allocate(models, 256, bounds)
     still.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=["video", None, None, "video"])
     p = still.allocate(models, 256, bounds, current=p)
@@ -304,7 +305,7 @@ def test_guard_vetoes_a_slot_whose_measured_slowdown_contradicts_the_ncf_only_wi
               global_batch=512, steps_per_epoch=20, epochs_left=5, workload="training")
     assert Relocator(restart_cost=0.0, predictor=table).propose(**kw).moves == [(1, 0)]
     for measured_ratios in (True, False):
-        auto = AutoAllocator(interference=table, measured_ratios=measured_ratios)
+        auto = AutoAllocator(hedge=0.0, interference=table, measured_ratios=measured_ratios)
         auto.measured[("training", "v100", None, "video")] = [float(np.log(3.0))]
         guarded = auto.guard(Relocator(restart_cost=0.0, predictor=table))
         moves = guarded.propose(**kw).moves
@@ -318,7 +319,7 @@ def test_auto_corrects_a_change_the_ncf_cannot_predict_by_its_measured_ratio():
     """A co-runner the NCF does not know beside the t4: the arrival is left as equal_finish sees it (nothing to
     correct it by); once an epoch beside it was measured (1.2x), its departure is corrected by that ratio even
     with ``measured_ratios=False``, the only evidence there is."""
-    auto = AutoAllocator(interference=TablePredictor({("v100", "video"): 1.4}))  # nothing for the t4
+    auto = AutoAllocator(hedge=0.0, interference=TablePredictor({("v100", "video"): 1.4}))  # nothing for the t4
     bounds = Bounds.uniform(4)
     models = [FAST] * 3 + [SLOW]
     first = auto.allocate(models, 256, bounds)

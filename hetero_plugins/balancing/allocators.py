@@ -219,6 +219,9 @@ class Allocator(ABC):
     name: str = "allocator"
     #: whether :meth:`allocate` splits on the lines' knees (``TimeModelLines.knee`` / ``beyond``)
     reads_knees: bool = False
+    #: ranks whose speed the context of the last :meth:`allocate` says changes from the steps measured so far (an
+    #: announced co-runner change); the planner forgets their measured levels (``BalancePlanner(regime_reset)``)
+    changed_ranks: Sequence[int] = ()
 
     @abstractmethod
     def allocate(

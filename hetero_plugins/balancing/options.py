@@ -114,6 +114,10 @@ class BalancingOptions:
             has crossed (a larger batch that ran more than 10% slower than its line predicts) its time grows along
             the chord to that batch instead of the split swinging it across the cliff and back (default 4;
             ``0`` turns the memory off; :mod:`hetero_plugins.balancing.cliffs`). Same allocators as ``extrapolate``.
+        regime_reset: at an epoch boundary where the cluster announces a co-runner arriving or leaving beside a
+            rank (``"auto"`` and ``"dqn"`` with ``cluster=``), that rank's time model forgets its measured levels
+            (its fixed cost stays) and learns the new speed from its first steps, instead of fitting one line
+            through steps of both (default ``True``; ``False`` fits across, until the change test finds it).
         locality: keep each rank's shard of the data across epochs and plan changes (LOFT); by default every
             step's samples over all ranks are exactly those stock DDP's sampler would give.
         balance_eval: give validation/test/predict loaders per-rank batch sizes too (Lightning strategies).
@@ -171,6 +175,7 @@ class BalancingOptions:
     count_data_time: bool = True
     extrapolate: str = "proportional"
     cliff_epochs: int = 4
+    regime_reset: bool = True
     locality: bool = False
     balance_eval: bool = True
     replan_every: int | None = 5
@@ -193,7 +198,7 @@ class BalancingOptions:
             if isinstance(self.min_batch_size, numbers.Integral) and not isinstance(self.min_batch_size, bool) else 1,
             allocator=self.allocator, min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size,
             min_gain=self.min_gain, half_life=self.half_life, warmup_steps=self.warmup_steps,
-            extrapolate=self.extrapolate, cliff_epochs=self.cliff_epochs,
+            extrapolate=self.extrapolate, cliff_epochs=self.cliff_epochs, regime_reset=self.regime_reset,
         )
         self._set("min_gain", float(self.min_gain))
         self._set("half_life", float(self.half_life))
@@ -291,4 +296,5 @@ class BalancingOptions:
             min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size, min_gain=self.min_gain,
             half_life=self.half_life, warmup_steps=self.warmup_steps, initial_plan=plan,
             count_data_time=self.count_data_time, extrapolate=self.extrapolate, cliff_epochs=self.cliff_epochs,
+            regime_reset=self.regime_reset,
         )

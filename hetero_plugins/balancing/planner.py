@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins._validation import check_float, check_int
+from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.balancing.allocators import (
     Allocator,
     Bounds,
@@ -37,6 +37,7 @@ from hetero_plugins.balancing.allocators import (
     reroute_backlog,
 )
 from hetero_plugins.balancing.cliffs import CliffMemory, row_medians
+from hetero_plugins.balancing.epoch_stats import epoch_entry
 from hetero_plugins.balancing.lines import proportional_knees
 from hetero_plugins.balancing.time_model import (
     LinearTimeModel,
@@ -93,6 +94,12 @@ class BalancePlanner:
             the wait for its next batch, median over the last observed steps) to its predicted step time, so
             that a rank whose input pipeline stalls it gets fewer samples (``False``: split on compute alone).
             The fitted lines (:meth:`model_params`) stay compute-only; :meth:`decision_lines` adds the data.
+        regime_reset: forget the measured levels (the fixed cost stays) of the ranks whose speed the allocator's
+            context says changes at this decision (:attr:`~hetero_plugins.balancing.allocators.Allocator.
+            changed_ranks`: a co-runner arriving or leaving at the epoch boundary) before learning from their next
+            steps. A line fitted through steps of both regimes is neither's: a rank measured at 64 samples alone
+            and at 21 beside a co-runner that doubles its time fits a near-flat line, and is handed more samples
+            the slower it got. ``False``: fit across announced changes (the change test still finds them, later).
 
     Example::
 
@@ -124,6 +131,7 @@ class BalancePlanner:
         knee_factor: float = 1.0,
         cliff_epochs: int = 4,
         cliff_tolerance: float = 0.1,
+        regime_reset: bool = True,
     ) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.global_batch = check_int("global_batch", global_batch, minimum=1)
@@ -157,6 +165,9 @@ class BalancePlanner:
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0,
                                         hint="e.g. 1.0 (one standard error), or 0 to compare point predictions")
         self.count_data_time = bool(count_data_time)
+        self.regime_reset = check_bool("regime_reset", regime_reset, hint="True (default) or False to fit across "
+                                       "announced changes")
+        self._regime: set[int] = set()  # ranks whose levels go before the next observation (announced changes)
         self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
         self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
@@ -270,6 +281,7 @@ class BalancePlanner:
         self._factor = np.where(new, self._top_factor, self._factor[src])
         self._last_move = np.where(new, 0, self._last_move[src])
         self._cliffs.follow(idx)
+        self._regime = {i for i, j in enumerate(idx.tolist()) if j >= 0 and j in self._regime}
 
     def model_params(self) -> TimeModelLines:
         """Every rank's fitted line of compute seconds: a sequence of :class:`TimeModelParams` (``None`` where a
@@ -364,6 +376,9 @@ class BalancePlanner:
             raise ValueError(f"`records` must have shape ({self.world_size} ranks, steps, 3), got {records.shape}.")
         skip = max(0, self.warmup_steps - self._observed_steps)
         if records.shape[1] > skip:
+            if self._regime:
+                self._bank.forget_levels(sorted(self._regime))
+                self._regime.clear()
             changes = self._bank.change_points if self._cliffs.epochs else None
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
             got = np.isfinite(records[:, skip:, 1]).any(axis=1)  # a seeded rank, once measured, is damped again
@@ -413,38 +428,7 @@ class BalancePlanner:
         if caps is not None:
             self.memory_caps = caps
         used = list(start_plan) if start_plan is not None else list(self.plan)
-        b, t = records[:, :, 0], records[:, :, 1]
-        # A step counts where every rank reported (a NaN row: a rank that never did; the time models skip it too).
-        valid = ((b > 0) & np.isfinite(t) & (t >= 0)).all(axis=0)
-        tv, bv = t[:, valid], b[:, valid]
-        if valid.any():
-            # Per step: LBB's straggler level (max - min) / mean and the idle fraction mean (max - t) / max
-            # (:mod:`hetero_plugins.metrics`), for all steps at once.
-            top, mean = tv.max(axis=0), tv.mean(axis=0)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                levels = np.where(mean > 0, (top - tv.min(axis=0)) / mean, 0.0)
-                idles = np.where(top > 0, (top - tv).mean(axis=0) / top, 0.0)
-            per_rank_compute = row_medians(tv).tolist()
-            per_rank_throughput = (bv.sum(axis=1) / np.maximum(tv.sum(axis=1), 1e-12)).tolist()
-        else:
-            levels = idles = np.zeros(0)
-            per_rank_compute = [float("nan")] * self.world_size
-            per_rank_throughput = [0.0] * self.world_size
-        steps = int(records.shape[1])
-        samples = int(np.where(np.isfinite(b) & (b > 0), b, 0.0).sum())
-        entry: dict[str, Any] = {
-            "epoch": int(epoch),
-            "batch_sizes": used,
-            "throughput": per_rank_throughput,
-            "compute_time": per_rank_compute,
-            "straggler_level": float(np.median(levels)) if len(levels) else 0.0,
-            "idle_fraction": float(np.median(idles)) if len(idles) else 0.0,
-            "predicted_epoch_time": None if self._predicted_step_time is None else self._predicted_step_time * steps,
-            "measured_epoch_time": None if epoch_time is None else float(epoch_time),
-            "samples": samples,
-            "samples_per_s": None if not epoch_time else samples / float(epoch_time),
-            "system": None if system is None else [None if m is None else dict(m) for m in system],
-        }
+        entry = epoch_entry(epoch, records, used, epoch_time, self._predicted_step_time, system)
         self._cliffs.end_epoch()
         entry.update(self._decide())
         self.history.append(entry)
@@ -518,6 +502,8 @@ class BalancePlanner:
         bounds = self.bounds
         current = list(self.plan)
         proposal = self.allocator.allocate(self.decision_lines(), self.global_batch, bounds, current=current)
+        if self.regime_reset:
+            self._regime.update(int(r) for r in self.allocator.changed_ranks)
         trust = self._extrapolation_bounds(self._change_bounds(bounds, current), current)  # damping, extrapolation
         proposal = self._damp([int(b) for b in proposal], trust)
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
@@ -551,6 +537,7 @@ class BalancePlanner:
             "observed_steps": self._observed_steps,
             "data_time": self._data.tolist(),
             "cliffs": self._cliffs.state_dict(),
+            "regime_reset": sorted(self._regime),
         }
 
     def load_state_dict(self, state: dict[str, Any], resize: bool = False) -> None:
@@ -584,6 +571,7 @@ class BalancePlanner:
         self.history = list(state["history"])
         if "cliffs" in state and not resized:
             self._cliffs.load_state_dict(state["cliffs"])
+        self._regime = set() if resized else {int(r) for r in state.get("regime_reset", [])}
         self._observed_steps = int(state.get("observed_steps", self.warmup_steps))
         if not resized:
             self.plan = [int(b) for b in state["plan"]]

@@ -3,6 +3,7 @@ and change points tested against the model's own prediction at any batch size (s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -325,6 +326,22 @@ class TimeModelBank:
             self._restart(rows)
             self._refit(rows)
             self._lines = None
+
+    def forget_levels(self, rows: Sequence[int]) -> None:
+        """Forget the measured levels of ``rows`` and anything held back on them: a speed change known from
+        outside to start now (a co-runner arriving or leaving, announced by the scheduler), so that the next
+        steps start the new regime's line instead of being fitted with the old regime's. The fixed cost
+        ``kappa`` stays, as at a detected change inside its fitted range (a slowdown scales a fixed cost and a
+        per-sample cost alike), and the rank's line is fitted afresh from the new regime's steps."""
+        r = np.unique(np.asarray(rows, dtype=np.int64))
+        if len(r) == 0:
+            return
+        if r.min() < 0 or r.max() >= self.size:
+            raise ValueError(f"`rows`={r.tolist()} must be ranks in [0, {self.size}). HINT: pass rank indices.")
+        self._gb[r], self._gy[r], self._gw[r] = 0.0, 0.0, 0.0
+        self._klo[r], self._khi[r] = np.nan, np.nan
+        self._np[r], self._ps[r], self._nobs[r] = 0, 0, 0
+        self._lines = None
 
     def _held(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The held-back steps of ``rows`` (``nan`` past each row's run) and which entries hold one."""

@@ -37,36 +37,14 @@ from hetero_plugins.balancing.allocators import (Allocator, fitted_models, knee_
                                                  register_allocator)
 from hetero_plugins.balancing.lines import curve_times, data_seconds
 from hetero_plugins.balancing.time_model import TimeModelParams
+from hetero_plugins.scheduler.hedge import corunner_groups, hedged_factors, throughput_shares
 from hetero_plugins.scheduler.interference import interference_correction
+from hetero_plugins.scheduler.removed_options import refuse_removed
 from hetero_plugins.scheduler.safety import GuardedRelocator
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AutoAllocator", "DQNAllocator", "GuardedRelocator"]
-
-#: Options of the chunk-assignment network that split batches before the split became exact.
-_REMOVED = {
-    "model": "the Q-network no longer splits batches (the split is exact); a placement network goes to the "
-             "relocation (LearnedRelocator)",
-    "chunks_per_rank": "there are no chunks: the split is exact (min_makespan_split)",
-    "parallel": "there are no chunks: the split is exact (min_makespan_split)",
-    "online": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
-    "online_updates": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
-    "online_lr": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
-    "online_max_ranks": "the split is exact; online learning belongs to the placement network (LearnedRelocator)",
-    "seed": "the split is exact and deterministic",
-    "tolerance": "auto no longer compares a DQN plan with equal_finish; its gate is `agreement`",
-    "score_data": "auto no longer compares a DQN plan with equal_finish",
-}
-
-
-def _refuse_removed(cls: str, options: dict[str, Any]) -> None:
-    for k, v in options.items():
-        why = _REMOVED.get(k)
-        if why is None:
-            raise TypeError(f"{cls}() got an unexpected keyword argument {k!r}. HINT: see help({cls}) for its options.")
-        raise ValueError(f"`{k}`={v!r} is no longer an option of {cls}: {why}. HINT: remove `{k}`.")
-
 
 def _arrays(models: Sequence[TimeModelParams]) -> tuple[np.ndarray, np.ndarray]:
     n = len(models)
@@ -99,6 +77,9 @@ class DQNAllocator(Allocator):
             the NCF's predictions over the device types it knows (the co-runner's typical slowdown; needs a
             predictor with a ``devices`` vocabulary), ``"skip"`` no correction for that rank. A given
             ``InterferenceCorrection`` keeps its own.
+        hedge: the NCF ratio's log error, per unit of ``|log ratio|``: a corrected rank is planned at the quantile
+            of its time that minimises the expected makespan (:mod:`hetero_plugins.scheduler.hedge`; a small rank
+            slower than the point ratio). ``0``: the point ratio. Default chosen on validation (docs/scheduler.md).
 
     The options of the former chunk-assignment network (``model``, ``chunks_per_rank``, ``parallel``,
     ``online*``, ``seed``) are refused with a ``ValueError`` that says why.
@@ -114,14 +95,18 @@ class DQNAllocator(Allocator):
     name = "dqn"
     reads_knees = True
 
-    def __init__(self, interference: Any = True, unseen_device: str = "mean", **removed: Any) -> None:
-        _refuse_removed(type(self).__name__, removed)
+    def __init__(self, interference: Any = True, unseen_device: str = "mean", hedge: float = 0.25,
+                 **removed: Any) -> None:
+        refuse_removed(type(self).__name__, removed)
         if unseen_device not in ("mean", "skip"):
             raise ValueError(f"`unseen_device`={unseen_device!r} is not an option. HINT: use 'mean' or 'skip'.")
         self.unseen_device = unseen_device
         self.correction = interference_correction(interference, unseen_device)
         self._corunner_ctx: tuple[str, list[str], list[str | None], list[str | None]] | None = None
         self._factors: np.ndarray | None = None
+        self.hedge = check_float("hedge", hedge, minimum=0.0, hint="e.g. 0.25 (the NCF's log error per unit of log "
+                                 "ratio), or 0 to plan on the point correction")
+        self.changed_ranks: list[int] = []  #: ranks whose co-runner changes in the last decision's context
 
     def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None,
                     devices: Sequence[str] | None = None, corunners: Sequence[str | None] | None = None,
@@ -159,7 +144,9 @@ class DQNAllocator(Allocator):
     def take_context(self, n: int) -> tuple[str, list[str], list[str | None], list[str | None]] | None:
         """The co-runner context for a decision over ``n`` ranks (consumed: ``None`` afterwards)."""
         ctx, self._corunner_ctx = self._corunner_ctx, None
-        return ctx if ctx is not None and len(ctx[1]) == n else None
+        ctx = ctx if ctx is not None and len(ctx[1]) == n else None
+        self.changed_ranks = [] if ctx is None else [i for i in range(n) if ctx[2][i] != ctx[3][i]]
+        return ctx
 
     def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
         """The NCF's slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one; a device type it
@@ -208,14 +195,23 @@ class DQNAllocator(Allocator):
         a, beta = self.lines(models, n)
         return float(np.max(curve_times(a, beta, np.asarray(plan, dtype=np.float64), *self.knees(models, n))))
 
-    def split(self, models: Sequence[TimeModelParams], global_batch: int, bounds: Any,
-              factors: np.ndarray | None) -> list[int]:
-        """The exact split of ``global_batch`` on ``models`` scaled by ``factors`` (remembered for the gate)."""
+    def split(self, models: Sequence[TimeModelParams], global_batch: int, bounds: Any, factors: np.ndarray | None,
+              groups: Sequence[Any] | None = None) -> list[int]:
+        """The exact split of ``global_batch`` on ``models`` scaled by ``factors`` (remembered for the gate); with
+        ``hedge`` > 0 the factors are first moved to their hedged quantiles at the shares of this split
+        (:func:`~hetero_plugins.scheduler.hedge.hedged_factors`; ``groups``: per rank, a key of ranks that err
+        together), and the split is made again on them."""
         n = bounds.world_size
         self._factors = None if factors is None or np.all(factors == 1.0) else np.asarray(factors, dtype=np.float64)
-        a, beta = self.lines(models, n)
-        return min_makespan_split(a, beta, global_batch, bounds.min_batch, bounds.max_batch,
-                                  *self.knees(models, n)).tolist()
+        for hedged in (False, True):
+            a, beta = self.lines(models, n)
+            knees = self.knees(models, n)
+            plan = min_makespan_split(a, beta, global_batch, bounds.min_batch, bounds.max_batch, *knees)
+            if hedged or self.hedge == 0 or self._factors is None:
+                break
+            shares = throughput_shares(plan, curve_times(a, beta, plan.astype(np.float64), *knees))
+            self._factors = hedged_factors(self._factors, shares, groups, self.hedge)
+        return plan.tolist()
 
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
@@ -225,7 +221,7 @@ class DQNAllocator(Allocator):
         if fitted is None:
             self._factors = None
             return self._keep_or_equal(global_batch, bounds, current)
-        return self.split(models, global_batch, bounds, self.ncf_factors(ctx, n))
+        return self.split(models, global_batch, bounds, self.ncf_factors(ctx, n), corunner_groups(ctx))
 
 
 class AutoAllocator(Allocator):
@@ -269,7 +265,8 @@ class AutoAllocator(Allocator):
     not scored). :meth:`guard` wraps a relocator so that its moves are kept only under the relocation checks.
 
     Args:
-        interference, unseen_device: the NCF, as for :class:`DQNAllocator` (``False``: always ``equal_finish``).
+        interference, unseen_device, hedge: the NCF and its hedge, as for :class:`DQNAllocator` (``interference=False``:
+            always ``equal_finish``).
         agreement: relative disagreement tolerated between the NCF's ratio and a measured (or ``reference``)
             ratio, in (0, 1].
         max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0
@@ -277,9 +274,8 @@ class AutoAllocator(Allocator):
         min_record: measured changes before the track record is judged, >= 1.
         max_noise: largest tolerated robust spread of the time models' log residuals, > 0 (relocations; the split
             too with ``gate_split``).
-        trust_unverified: correct changes nothing has checked yet on the NCF's word (default ``True``: on the
-            family's validation split, with measured ratios first, ``False`` scored min 0.955 / mean 1.02 of the
-            best analytic allocator, ``True`` min 1.004 / mean 1.157).
+        trust_unverified: correct changes nothing has checked yet on the NCF's word (default ``True``; validation,
+            measured ratios first: ``False`` min 0.955 / mean 1.02 of the best analytic, ``True`` 1.004 / 1.157).
         partial: with unverified changes, correct the verified ranks only (``True``) or none (``False``).
         reference: ``None``, or a second predictor (anything with ``predict(workload, device, corunner)``, or
             an ``InterferenceCorrection``) the NCF must agree with.
@@ -306,9 +302,9 @@ class AutoAllocator(Allocator):
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
                  min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True, partial: bool = True,
                  reference: Any = None, unseen_device: str = "mean", measured_ratios: bool = False,
-                 gate_split: bool = False, contradicted: int = 4, **removed: Any) -> None:
-        _refuse_removed(type(self).__name__, removed)
-        self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device)
+                 gate_split: bool = False, contradicted: int = 4, hedge: float = 0.25, **removed: Any) -> None:
+        refuse_removed(type(self).__name__, removed)
+        self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device, hedge=hedge)
         self.agreement = check_float("agreement", agreement, minimum=0.0,
                                      hint="a relative tolerance such as 0.15")
         if not 0.0 < self.agreement <= 1.0:
@@ -357,6 +353,11 @@ class AutoAllocator(Allocator):
     def correction(self) -> Any:
         """The NCF correction (``None`` when ``interference=False``)."""
         return self.dqn.correction
+
+    @property
+    def changed_ranks(self) -> list[int]:  # type: ignore[override]
+        """Ranks whose co-runner changes in the last decision's context."""
+        return self.dqn.changed_ranks
 
     def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
         return self.dqn.predict_makespan(models, plan)
@@ -548,8 +549,7 @@ class AutoAllocator(Allocator):
             workload, devices, old, new = ctx
             for i in range(n):
                 if old[i] != new[i]:
-                    s0, s1 = self.dqn.slowdown(workload, devices[i], old[i]), \
-                        self.dqn.slowdown(workload, devices[i], new[i])
+                    s0, s1 = (self.dqn.slowdown(workload, devices[i], c) for c in (old[i], new[i]))
                     ncf[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
         if ctx is None or self.correction is None or all(o == w for o, w in zip(ctx[2], ctx[3])):
             reason, use = "no co-runner change", None
@@ -560,7 +560,7 @@ class AutoAllocator(Allocator):
             self.choices["ncf" if use is not None else "equal_finish"] += 1
             if reason:
                 log.info("auto allocator: equal_finish (%s)", reason)
-        plan = self.dqn.split(models, global_batch, bounds, use)
+        plan = self.dqn.split(models, global_batch, bounds, use, corunner_groups(ctx))
         a, s = _arrays(models)
         lines = {"a": a.copy(), "s": s.copy(), "d": data_seconds(models, n), "plan": list(plan)}
         if after_move is not None and self._prev is not None and self._prev["n"] == n:
