@@ -153,21 +153,27 @@ class DQNAllocator(Allocator):
         does not know is handled by the correction's ``unseen_device``); ``None``: unknown."""
         return None if self.correction is None else self.correction.slowdown(workload, device, corunner)
 
-    def ncf_factors(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None, n: int) -> np.ndarray:
-        """Per-rank NCF multipliers of the fitted lines for ``ctx``: ``NCF(next) / NCF(measured)`` (1 where
-        nothing changes or a name is unknown)."""
-        out = np.ones(n)
+    def ncf_ratios(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None,
+                   n: int) -> list[float | None]:
+        """Per rank, the NCF's slowdown ratio ``NCF(next) / NCF(measured)`` for ``ctx`` (``None`` where nothing
+        changes, a name is unknown, or there is no correction or context)."""
+        out: list[float | None] = [None] * n
         if self.correction is None or ctx is None:
             return out
         workload, devices, old, new = ctx
         for i in range(n):
-            if old[i] == new[i]:
-                continue
-            s0, s1 = self.slowdown(workload, devices[i], old[i]), self.slowdown(workload, devices[i], new[i])
-            if s0 is not None and s1 is not None and s0 > 0:
-                out[i] = s1 / s0
-                self.correction.corrections += 1
+            if old[i] != new[i]:
+                s0, s1 = (self.slowdown(workload, devices[i], c) for c in (old[i], new[i]))
+                out[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
         return out
+
+    def ncf_factors(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None, n: int,
+                    ratios: Sequence[float | None] | None = None) -> np.ndarray:
+        """Per-rank NCF multipliers of the fitted lines: ``ratios`` (default :meth:`ncf_ratios`), 1 where none."""
+        ratios = self.ncf_ratios(ctx, n) if ratios is None else ratios
+        if self.correction is not None:
+            self.correction.corrections += sum(r is not None for r in ratios)
+        return np.array([1.0 if r is None else r for r in ratios], dtype=np.float64)
 
     def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied: a co-runner
@@ -543,14 +549,8 @@ class AutoAllocator(Allocator):
         after_move, self._after_move = self._after_move, None
         if ctx is not None and after_move is None:
             self._learn(models, n, current)
-        factors = self.dqn.ncf_factors(ctx, n)
-        ncf: list[float | None] = [None] * n
-        if ctx is not None and self.correction is not None:
-            workload, devices, old, new = ctx
-            for i in range(n):
-                if old[i] != new[i]:
-                    s0, s1 = (self.dqn.slowdown(workload, devices[i], c) for c in (old[i], new[i]))
-                    ncf[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
+        ncf = self.dqn.ncf_ratios(ctx, n)
+        factors = self.dqn.ncf_factors(ctx, n, ncf)
         if ctx is None or self.correction is None or all(o == w for o, w in zip(ctx[2], ctx[3])):
             reason, use = "no co-runner change", None
         else:
