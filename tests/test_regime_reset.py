@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetero_plugins.balancing.coordinator import PlanCoordinator
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.time_bank import TimeModelBank
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
@@ -95,3 +96,75 @@ def test_a_pending_reset_follows_renumbered_ranks_and_can_be_turned_off():
     assert announced(False).state_dict()["regime_reset"] == []
     with pytest.raises(ValueError, match="regime_reset"):
         BalancePlanner(2, 8, regime_reset="yes")
+
+
+class _PairComm:
+    """Rank ``rank`` of two in one process: rank 0 runs each collective first and leaves what it sent for rank 1."""
+
+    def __init__(self, rank: int, sent: dict) -> None:
+        self._rank, self.sent = rank, sent
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 2
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        mine = np.asarray(array, dtype=np.float64)
+        self.sent.setdefault(name, {})[self._rank] = mine
+        other = self.sent.get(f"{name}#{1 - self._rank}", mine)  # the peer's row, scripted by the test
+        return np.stack([mine, other] if self._rank == 0 else [other, mine])
+
+    def broadcast_object(self, obj, name: str, root: int = 0):
+        if self._rank == root:
+            self.sent[name] = obj
+            return obj
+        return self.sent[name]
+
+
+def test_every_rank_takes_the_reset_that_only_rank_0_could_see():
+    """Only rank 0's allocator holds the cluster context that announces rank 1's new co-runner, so only it finds
+    ``changed_ranks``; rank 1 takes the pending reset with the plan (at a mid-epoch replan and at an epoch end), and
+    both ranks' time models and predicted step times stay alike (so every rank's history is the same)."""
+    batches = [[48, 48, 80, 80, 48, 48, 80, 80]] * 2
+    coords, sent = [], {}
+    for rank in (0, 1):
+        alloc = DQNAllocator(interference=_Table(), hedge=0.0)
+        coords.append(PlanCoordinator(BalancePlanner(2, 128, allocator=alloc, warmup_steps=0), _PairComm(rank, sent)))
+    coords[0].planner.allocator.set_context(devices=["a", "a"], corunners=[None, None],
+                                            next_corunners=[None, "video"])
+
+    def both(call):  # rank 0 first: rank 1 reads what it sent
+        return [call(coords[rank], rank) for rank in (0, 1)]
+
+    def epoch(epoch: int, rec: np.ndarray) -> list:
+        header = {r: np.array([rec.shape[1], 0.5, -1.0]) for r in (0, 1)}
+        sent.update({f"hetero_plugins.header#{r}": header[r] for r in (0, 1)})
+        sent.update({f"hetero_plugins.records#{r}": rec[r] for r in (0, 1)})
+        return both(lambda c, r: c.end_epoch(epoch, rec[r], elapsed=0.5))
+
+    entries = epoch(0, _records(batches, [1e-3, 1e-3]))
+    assert entries[0] == entries[1]
+    assert coords[0].planner.allocator.changed_ranks == [1] and coords[1].planner.allocator.changed_ranks == []
+    assert [c.planner.pending_reset for c in coords] == [[1], [1]]
+    plans = both(lambda c, r: c.replan())  # mid-epoch, on what is known: the same pending reset is sent again
+    assert plans[0] == plans[1] and [c.planner.pending_reset for c in coords] == [[1], [1]]
+    entries = epoch(1, _records([[88, 88], [40, 40]], [1e-3, 2e-3]))
+    assert entries[0] == entries[1]
+    lines = [c.planner.model_params() for c in coords]
+    assert lines[0].intercept[1] == pytest.approx(0.02, rel=1e-9) and lines[0].slope[1] == pytest.approx(0.002)
+    np.testing.assert_array_equal(lines[0].intercept, lines[1].intercept)
+    np.testing.assert_array_equal(lines[0].slope, lines[1].slope)
+    assert coords[0].planner.predicted_step_time == coords[1].planner.predicted_step_time
+    assert coords[0].planner.history == coords[1].planner.history
+
+
+def test_a_bad_pending_reset_names_the_argument():
+    p = BalancePlanner(2, 8)
+    p.pending_reset = [1, 1, 0]
+    assert p.pending_reset == [0, 1]
+    with pytest.raises(ValueError, match="pending_reset.*world_size 2"):
+        p.pending_reset = [2]
+    with pytest.raises(ValueError, match="pending_reset"):
+        p.pending_reset = [-1]

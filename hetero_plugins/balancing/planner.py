@@ -165,8 +165,7 @@ class BalancePlanner:
         self.noise_margin = check_float("noise_margin", noise_margin, minimum=0.0,
                                         hint="e.g. 1.0 (one standard error), or 0 to compare point predictions")
         self.count_data_time = bool(count_data_time)
-        self.regime_reset = check_bool("regime_reset", regime_reset, hint="True (default) or False to fit across "
-                                       "announced changes")
+        self.regime_reset = check_bool("regime_reset", regime_reset, hint="True, or False to fit across changes")
         self._regime: set[int] = set()  # ranks whose levels go before the next observation (announced changes)
         self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
@@ -251,6 +250,19 @@ class BalancePlanner:
     @predicted_step_time.setter
     def predicted_step_time(self, value: float | None) -> None:
         self._predicted_step_time = None if value is None else float(value)
+
+    @property
+    def pending_reset(self) -> list[int]:
+        """Ranks whose levels go before the next observation (``regime_reset``); rank 0's is set on all ranks."""
+        return sorted(self._regime)
+
+    @pending_reset.setter
+    def pending_reset(self, ranks: Sequence[int]) -> None:
+        out = {check_int("pending_reset", r, minimum=0) for r in ranks}
+        if any(r >= self.world_size for r in out):
+            raise ValueError(f"`pending_reset`={sorted(out)} names a rank >= world_size {self.world_size}. HINT: "
+                             "pass ranks in 0..world_size-1.")
+        self._regime = out
 
     def seed_model(self, rank: int, line: Sequence[float], batch_size: int | None = None,
                    data_time: float | None = None) -> None:
