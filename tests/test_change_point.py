@@ -297,3 +297,20 @@ def test_a_line_fitted_across_a_slow_ramp_does_not_replace_the_fixed_cost(seed):
     assert p.intercept / p.slope < 3 * max(kappa_before, 8.0)
     # so cutting the batch is still predicted to help
     assert m.predict(50) < 0.7 * m.predict(100)
+
+
+def test_drift_is_judged_at_measured_batch_sizes_against_the_noise():
+    """``TimeModelBank.drift``: a rank whose steps ran off the level measured at their batch size, beyond
+    ``tolerance`` and 2.5 standard errors: +1 slower, -1 faster; steps at a size never measured are not judged."""
+    rng = np.random.default_rng(3)
+    bank = TimeModelBank(4)
+    b = np.array([[32.0, 64.0] * 10] * 4)
+    bank.observe(b, true_time(b) * np.exp(rng.normal(0, 0.05, b.shape)))
+    at = np.full((4, 6), 64.0)
+    at[2] = 48.0  # never measured: a line's extrapolation, not a drift
+    t = true_time(at) * np.array([[1.0], [1.25], [1.25], [0.75]])
+    assert bank.drift(at, t, tolerance=0.03).tolist() == [0, 1, 0, -1]
+    assert bank.drift(at, true_time(at) * 1.04, tolerance=0.03).tolist() == [0, 0, 0, 0]  # within the noise
+    assert bank.drift(at, true_time(at) * 1.25, tolerance=0.3).tolist() == [0, 0, 0, 0]  # within the tolerance
+    t[1, :] = np.nan  # no step measured: not judged
+    assert bank.drift(at, t, tolerance=0.03).tolist() == [0, 0, 0, -1]

@@ -28,24 +28,13 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_bool, check_float, check_int
-from hetero_plugins.balancing.allocators import (
-    Allocator,
-    Bounds,
-    get_allocator,
-    largest_remainder,
-    min_makespan_split,
-    reroute_backlog,
-)
+from hetero_plugins.balancing.allocators import (Allocator, Bounds, get_allocator, largest_remainder,
+                                                  min_makespan_split, reroute_backlog)
 from hetero_plugins.balancing.cliffs import CliffMemory, row_medians
 from hetero_plugins.balancing.epoch_stats import epoch_entry
 from hetero_plugins.balancing.lines import proportional_knees
-from hetero_plugins.balancing.time_model import (
-    LinearTimeModel,
-    ModelList,
-    TimeModelBank,
-    TimeModelLines,
-    TimeModelParams,
-)
+from hetero_plugins.balancing.time_model import (LinearTimeModel, ModelList, TimeModelBank, TimeModelLines,
+                                                  TimeModelParams)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +78,10 @@ class BalancePlanner:
             batch past the current one along the chord to a larger batch that ran ``cliff_tolerance`` (0.1) slower
             than predicted: a memory cliff (:mod:`hetero_plugins.balancing.cliffs`; allocators with knees only).
         noise_margin: standard errors of each rank's predicted step time by which a new plan must still be
-            ``min_gain`` faster (0: compare the point predictions only).
+            ``min_gain`` faster (0: compare the point predictions only). Waived, for the next decision, on a rank
+            whose last steps ran ``min_gain`` and 2.5 standard errors off the level measured at their batch size (a
+            load ramping: :meth:`~hetero_plugins.balancing.time_bank.TimeModelBank.drift`): its noise estimate then
+            holds the drift, and the margin would keep the plan in force while that rank grows slower.
         count_data_time: add each rank's measured data-loading seconds per step (the records' third column:
             the wait for its next batch, median over the last observed steps) to its predicted step time, so
             that a rank whose input pipeline stalls it gets fewer samples (``False``: split on compute alone).
@@ -167,6 +159,7 @@ class BalancePlanner:
         self.count_data_time = bool(count_data_time)
         self.regime_reset = check_bool("regime_reset", regime_reset, hint="True, or False to fit across changes")
         self._regime: set[int] = set()  # ranks whose levels go before the next observation (announced changes)
+        self._drift = np.zeros(world_size, dtype=np.int64)  # per rank: the last steps ran off their level (+-1)
         self._data = np.zeros(world_size)  # per rank: data-loading seconds per step (last observed median)
         self._bank = TimeModelBank(world_size, half_life=half_life)
         self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
@@ -292,6 +285,7 @@ class BalancePlanner:
         self.memory_caps = [None if n else self.memory_caps[j] for n, j in zip(new, src)]
         self._factor = np.where(new, self._top_factor, self._factor[src])
         self._last_move = np.where(new, 0, self._last_move[src])
+        self._drift = np.where(new, 0, self._drift[src])
         self._cliffs.follow(idx)
         self._regime = {i for i, j in enumerate(idx.tolist()) if j >= 0 and j in self._regime}
 
@@ -391,6 +385,7 @@ class BalancePlanner:
             if self._regime:
                 self._bank.forget_levels(sorted(self._regime))
                 self._regime.clear()
+            self._drift = self._bank.drift(records[:, skip:, 0], records[:, skip:, 1], self.min_gain)
             changes = self._bank.change_points if self._cliffs.epochs else None
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
             got = np.isfinite(records[:, skip:, 1]).any(axis=1)  # a seeded rank, once measured, is damped again
@@ -524,7 +519,7 @@ class BalancePlanner:
         gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
         sure = gain
         if self.noise_margin > 0 and gain > self.min_gain:
-            se = self.noise_margin * self._bank.uncertainty()
+            se = np.where(self._drift != 0, 0.0, self.noise_margin * self._bank.uncertainty())  # drift: no margin
             lo_cur, hi_new = self.predict_step_time(current, -se), self.predict_step_time(proposal, se)
             sure = (lo_cur - hi_new) / lo_cur if lo_cur > 0 else 0.0
         adopt = proposal != current and (out_of_bounds or (gain > self.min_gain and sure > self.min_gain))
@@ -544,6 +539,7 @@ class BalancePlanner:
             "memory_caps": list(self.memory_caps),
             "change_factor": self._factor.tolist(),
             "last_move": self._last_move.tolist(),
+            "drift": self._drift.tolist(),
             "history": list(self.history),
             "predicted_step_time": self._predicted_step_time,
             "observed_steps": self._observed_steps,
@@ -578,6 +574,7 @@ class BalancePlanner:
         if "change_factor" in state and not resized:  # a resized run starts its damping afresh
             self._factor = np.asarray(state["change_factor"], dtype=np.float64)
             self._last_move = np.asarray(state["last_move"], dtype=np.int64)
+            self._drift = np.asarray(state.get("drift", self._drift), dtype=np.int64)
         data = list(state.get("data_time", []))[:kept]
         self._data[: len(data)] = data
         self.history = list(state["history"])

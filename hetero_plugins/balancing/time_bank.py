@@ -343,6 +343,36 @@ class TimeModelBank:
         self._np[r], self._ps[r], self._nobs[r] = 0, 0, 0
         self._lines = None
 
+    def drift(self, b: np.ndarray, t: np.ndarray, tolerance: float, z: float = 2.5) -> np.ndarray:
+        """Per rank, whether steps ``(b, t)`` (shape ``(size, steps)``, not yet observed) ran off the level already
+        measured at their batch size: +1 slower, -1 faster, 0 not. Off means the median log ratio of step time to
+        level beyond ``log(1 + tolerance)`` and ``z`` standard errors (the level's and the median's, from the
+        rank's measured noise). Only steps at a measured batch size count, so a line extrapolated to a new size is
+        not judged: this is drift at an unchanged batch (a load ramping up or down), which the recency-weighted
+        levels follow only slowly.
+
+        Example::
+
+            >>> bank = TimeModelBank(2)
+            >>> bank.observe(np.full((2, 8), 32.0), np.full((2, 8), 0.1))
+            >>> bank.drift(np.full((2, 4), 32.0), np.array([[0.1] * 4, [0.13] * 4]), tolerance=0.03).tolist()
+            [0, 1]
+        """
+        b, t = np.asarray(b, dtype=np.float64), np.asarray(t, dtype=np.float64)
+        match = (b[:, :, None] == self._gb[:, None, :]) & (self._gw[:, None, :] > 0) & (b[:, :, None] > 0)
+        level = np.where(match, self._gy[:, None, :], 0.0).sum(axis=2)  # at most one group matches a size
+        ok = match.any(axis=2) & np.isfinite(t) & (t > 0) & (level > 0)
+        n = ok.sum(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(ok, np.log(np.where(ok, t, 1.0) / np.where(ok, level, 1.0)), np.nan)
+        off = np.zeros(self.size)
+        if (n > 0).any():
+            off[n > 0] = np.nanmedian(ratio[n > 0], axis=1)
+        noise = np.sqrt(np.nan_to_num(self._var, nan=0.0))
+        se = np.sqrt(self.uncertainty() ** 2 + (1.2533 * noise) ** 2 / np.maximum(n, 1))
+        return np.where((n > 0) & (np.abs(off) > np.maximum(np.log1p(tolerance), z * se)), np.sign(off), 0.0
+                        ).astype(np.int64)
+
     def _held(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The held-back steps of ``rows`` (``nan`` past each row's run) and which entries hold one."""
         valid = np.arange(self._pb.shape[1])[None, :] < self._np[rows][:, None]
