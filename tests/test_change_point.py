@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 
-from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelBank, TimeModelParams
+from hetero_plugins.balancing.time_model import LinearTimeModel, TimeModelBank
 
 # A rank's true line before a co-runner arrives (fixed 5 ms, 0.6 ms per sample), and 1.3x slower after.
 A, S, SLOW = 0.005, 0.000599, 1.3

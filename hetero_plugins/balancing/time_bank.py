@@ -1,5 +1,6 @@
 """Every rank's online step-time model in arrays: recency-weighted levels per batch size, a pooled fixed cost,
-and change points tested against the model's own prediction at any batch size (see :mod:`hetero_plugins.balancing.time_model`)."""
+and change points tested against the model's own prediction at any batch size (see
+:mod:`hetero_plugins.balancing.time_model`)."""
 
 from __future__ import annotations
 

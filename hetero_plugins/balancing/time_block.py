@@ -72,7 +72,7 @@ def _round(bank: TimeModelBank, rows: np.ndarray, b: np.ndarray, t: np.ndarray, 
     Returns, per row, the number of its steps consumed when a change restarted it (the rest form a new block),
     or -1 when every step was consumed.
     """
-    k, tau = bank.change_steps, bank.change_threshold
+    tau = bank.change_threshold
     lo, hi = bank._band(rows, b)
     half = 1 + tau / 2
     with np.errstate(invalid="ignore"):
