@@ -9,6 +9,7 @@ from hetero_plugins.balancing.coordinator import PlanCoordinator
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.time_bank import TimeModelBank
 from hetero_plugins.scheduler.policy import AutoAllocator, DQNAllocator
+from tests.test_balancing_options import ScriptedComm
 
 
 class _Table:
@@ -98,29 +99,13 @@ def test_a_pending_reset_follows_renumbered_ranks_and_can_be_turned_off():
         BalancePlanner(2, 8, regime_reset="yes")
 
 
-class _PairComm:
-    """Rank ``rank`` of two in one process: rank 0 runs each collective first and leaves what it sent for rank 1."""
-
-    def __init__(self, rank: int, sent: dict) -> None:
-        self._rank, self.sent = rank, sent
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return 2
-
-    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        mine = np.asarray(array, dtype=np.float64)
-        self.sent.setdefault(name, {})[self._rank] = mine
-        other = self.sent.get(f"{name}#{1 - self._rank}", mine)  # the peer's row, scripted by the test
-        return np.stack([mine, other] if self._rank == 0 else [other, mine])
+class _Recording(ScriptedComm):
+    """A :class:`ScriptedComm` whose rank 0 leaves each broadcast in ``root`` (shared with rank 1's comm)."""
 
     def broadcast_object(self, obj, name: str, root: int = 0):
-        if self._rank == root:
-            self.sent[name] = obj
-            return obj
-        return self.sent[name]
+        out = super().broadcast_object(obj, name, root)
+        self.root[name] = out
+        return out
 
 
 def test_every_rank_takes_the_reset_that_only_rank_0_could_see():
@@ -131,7 +116,9 @@ def test_every_rank_takes_the_reset_that_only_rank_0_could_see():
     coords, sent = [], {}
     for rank in (0, 1):
         alloc = DQNAllocator(interference=_Table(), hedge=0.0)
-        coords.append(PlanCoordinator(BalancePlanner(2, 128, allocator=alloc, warmup_steps=0), _PairComm(rank, sent)))
+        comm = _Recording(rank=rank, world=2)
+        comm.root = sent  # rank 0 writes its broadcasts, rank 1 reads them
+        coords.append(PlanCoordinator(BalancePlanner(2, 128, allocator=alloc, warmup_steps=0), comm))
     coords[0].planner.allocator.set_context(devices=["a", "a"], corunners=[None, None],
                                             next_corunners=[None, "video"])
 
@@ -139,9 +126,9 @@ def test_every_rank_takes_the_reset_that_only_rank_0_could_see():
         return [call(coords[rank], rank) for rank in (0, 1)]
 
     def epoch(epoch: int, rec: np.ndarray) -> list:
-        header = {r: np.array([rec.shape[1], 0.5, -1.0]) for r in (0, 1)}
-        sent.update({f"hetero_plugins.header#{r}": header[r] for r in (0, 1)})
-        sent.update({f"hetero_plugins.records#{r}": rec[r] for r in (0, 1)})
+        for rank in (0, 1):  # each rank's peer contributes its header and records
+            coords[rank].comm.others = {"hetero_plugins.header": [np.array([rec.shape[1], 0.5, -1.0])],
+                                        "hetero_plugins.records": [rec[1 - rank]]}
         return both(lambda c, r: c.end_epoch(epoch, rec[r], elapsed=0.5))
 
     entries = epoch(0, _records(batches, [1e-3, 1e-3]))

@@ -279,7 +279,7 @@ class PlanCoordinator:
         that announces a change, so its pending level resets keep every rank's time models alike."""
         self.planner.plan = [int(b) for b in decided["plan"]]
         self.planner.predicted_step_time = decided["predicted_step_time"]
-        self.planner.pending_reset = decided.get("pending_reset", ())
+        self.planner.pending_reset = decided["pending_reset"]
         if entry is not None:
             entry["next_batch_sizes"] = list(self.planner.plan)
             entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]

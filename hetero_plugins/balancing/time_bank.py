@@ -15,6 +15,8 @@ from hetero_plugins.balancing.time_block import BLOCK_STEPS, observe_block
 
 __all__ = ["TimeModelBank"]
 
+_MEDIAN_SE = float(np.sqrt(np.pi / 2))  # a median of n normal steps has sqrt(pi / 2) times the mean's standard error
+
 
 def _pred(y: np.ndarray, b_cur: np.ndarray, kappa: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The level ``y`` at ``b_cur`` extended to ``b`` by the fixed cost ``kappa`` (in samples; inf: constant)."""
@@ -364,13 +366,12 @@ class TimeModelBank:
         level = np.where(match, self._gy[:, None, :], 0.0).sum(axis=2)  # at most one group matches a size
         ok = match.any(axis=2) & np.isfinite(t) & (t > 0) & (level > 0)
         n = ok.sum(axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(ok, np.log(np.where(ok, t, 1.0) / np.where(ok, level, 1.0)), np.nan)
+        ratio = np.where(ok, np.log(np.where(ok, t, 1.0) / np.where(ok, level, 1.0)), np.nan)
         off = np.zeros(self.size)
         if (n > 0).any():
             off[n > 0] = np.nanmedian(ratio[n > 0], axis=1)
         noise = np.sqrt(np.nan_to_num(self._var, nan=0.0))
-        se = np.sqrt(self.uncertainty() ** 2 + (1.2533 * noise) ** 2 / np.maximum(n, 1))
+        se = np.sqrt(self.uncertainty() ** 2 + (_MEDIAN_SE * noise) ** 2 / np.maximum(n, 1))
         return np.where((n > 0) & (np.abs(off) > np.maximum(np.log1p(tolerance), z * se)), np.sign(off), 0.0
                         ).astype(np.int64)
 
