@@ -34,6 +34,17 @@ def test_exact_sum_and_bounds(name, seed):
     assert all(l <= b <= h for b, l, h in zip(sizes, lo, hi))
 
 
+@pytest.mark.parametrize("name", sorted(ALLOCATORS))
+def test_a_current_plan_outside_the_bounds_is_not_kept(name):
+    # A cap lowered since the plan was made (rank 0 may now take 3): keeping the plan, with or without models,
+    # would hand rank 0 more than it may take.
+    caps = Bounds((1, 1), (3, 10))
+    for models in ([None, None], [TimeModelParams(0.0, 0.002), TimeModelParams(0.0, 0.005)]):
+        sizes = get_allocator(name).allocate(models, 7, caps, current=[5, 2])
+        assert sum(sizes) == 7 and sizes[0] <= 3, (models, sizes)
+    assert get_allocator(name).allocate([None, None], 7, Bounds.uniform(2), current=[5, 2]) in ([5, 2], [4, 3])
+
+
 @pytest.mark.parametrize("name", ["proportional", "equal_finish", "lbb"])
 def test_monotone_in_speed(name):
     # Same fixed cost, per-sample cost growing with rank: a slower rank never gets more samples.

@@ -201,13 +201,15 @@ def test_end_epoch_on_one_rank_equals_the_planner_on_the_same_records():
 def test_every_rank_adopts_rank_0s_decision_and_record():
     # Rank 1's own planner would keep [8, 8]; rank 0 decided [12, 4] (it alone held the cluster context).
     decided = {"plan": [12, 4], "predicted_gain": 0.4, "plan_changed": True, "predicted_step_time": 0.12,
-               "pending_reset": [1], "relocation": {"epoch": 1, "moves": [[1, 0]]}}
+               "pending_reset": [1], "damping": {"change_factor": [8.0, 2.0], "last_move": [1, -1]},
+               "relocation": {"epoch": 1, "moves": [[1, 0]]}}
     comm = ScriptedComm(rank=1, world=2, root={"hetero_plugins.plan": decided},
                         others={"hetero_plugins.header": [[5, 0.7, -1]], "hetero_plugins.records": [_records(8, 0.1, 5)]})
     coord = PlanCoordinator(BalancePlanner(world_size=2, global_batch=16, min_gain=0.99), comm, advisor=FakeAdvisor())
     entry = coord.end_epoch(3, _records(8, 0.1, 5), elapsed=0.6)
     assert coord.planner.plan == [12, 4] and coord.planner.predicted_step_time == 0.12
     assert coord.planner.pending_reset == [1]
+    assert coord.planner.damping.state_dict() == decided["damping"]
     assert (entry["next_batch_sizes"], entry["predicted_gain"], entry["plan_changed"]) == ([12, 4], 0.4, True)
     assert entry["relocation"] == decided["relocation"] and entry["measured_epoch_time"] == 0.7
     assert coord.advisor.calls == []  # only rank 0 asks the advisor

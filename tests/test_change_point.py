@@ -314,3 +314,27 @@ def test_drift_is_judged_at_measured_batch_sizes_against_the_noise():
     assert bank.drift(at, true_time(at) * 1.25, tolerance=0.3).tolist() == [0, 0, 0, 0]  # within the tolerance
     t[1, :] = np.nan  # no step measured: not judged
     assert bank.drift(at, t, tolerance=0.03).tolist() == [0, 0, 0, -1]
+
+
+def test_a_resume_between_an_epoch_and_its_re_plan_does_not_settle_a_short_stall_as_a_change():
+    """A 3-step stall at the end of a 20-step epoch is held back, not a change (a run needs 4 steps, or all of a
+    short epoch's steps). A checkpoint taken there and resumed, then re-planned without new steps (the Horovod
+    sampler's resume path), must decide as the uninterrupted run does: the checkpoint keeps how many steps the
+    last observation had, which is what tells a short epoch's run from a stall."""
+    import json
+
+    from hetero_plugins.balancing.planner import BalancePlanner
+
+    rng = np.random.default_rng(0)
+    live = BalancePlanner(2, 64)
+    for epoch in range(3):
+        b = np.array([[size] * 20 for size in live.plan], dtype=np.float64)
+        t = (0.01 + b * np.array([[0.001], [0.004]])) * (1 + 0.02 * rng.standard_normal((2, 20)))
+        if epoch == 2:
+            t[1, -3:] *= 1.6  # a stall on rank 1
+        live.end_epoch(epoch, np.stack([b, t, np.zeros_like(b)], axis=2))
+    resumed = BalancePlanner(2, 64)
+    resumed.load_state_dict(json.loads(json.dumps(live.state_dict())))
+    assert resumed.replan()["next_batch_sizes"] == live.replan()["next_batch_sizes"]
+    assert resumed.models[1].change_points == live.models[1].change_points == 0
+    assert resumed.models[1].params() == live.models[1].params()

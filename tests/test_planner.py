@@ -212,3 +212,28 @@ def test_a_relocated_rank_gets_its_share_at_once_and_is_damped_again_once_measur
     p.end_epoch(2, rec([128, 128], [0.001, 0.001]))
     p.end_epoch(3, rec([128, 128], [0.001, 0.064]))  # measured there, then 64x slower: damped to 8x down at most
     assert p.plan[1] == 16, p.plan
+
+
+def test_bad_ranks_steps_backlogs_and_shares_are_refused_by_name():
+    from hetero_plugins.balancing.allocators import Bounds, largest_remainder, reroute_backlog
+    from hetero_plugins.balancing.time_model import TimeModelBank
+
+    p = BalancePlanner(2, 16)
+    rec = np.array([[[8, 0.01, 0]] * 4, [[8, 0.02, 0]] * 4], dtype=np.float64)
+    with pytest.raises(ValueError, match="`rank`=5 is not a rank"):
+        p.seed_model(5, (0.0, 0.001))
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="observed_steps"):
+            p.end_epoch(0, rec, observed_steps=bad)
+    assert p.history == []  # refused before anything was learned
+    with pytest.raises(ValueError, match="backlog"):
+        p.plan_with_backlog([3.0])
+    bank = TimeModelBank(2)
+    for bad in ([-1], [2], [0.5]):  # -1 once updated the last rank; 0.5 once forgot rank 0
+        with pytest.raises(ValueError, match="`rows`"):
+            bank.observe(np.array([8.0]), np.array([0.01]), rows=bad)
+        with pytest.raises(ValueError, match="`rows`"):
+            bank.forget_levels(bad)
+    with pytest.raises(ValueError, match="shares"):  # an infinite share once looped for ever
+        largest_remainder([np.inf, 1.0], 4, Bounds.uniform(2))
+    assert reroute_backlog([8, 8], [0, 0], Bounds.uniform(2), 16) == [8, 8]

@@ -145,6 +145,8 @@ def test_every_rank_takes_the_reset_that_only_rank_0_could_see():
     np.testing.assert_array_equal(lines[0].slope, lines[1].slope)
     assert coords[0].planner.predicted_step_time == coords[1].planner.predicted_step_time
     assert coords[0].planner.history == coords[1].planner.history
+    # Rank 0's moves set the damping of both: either rank's checkpoint resumes the same run.
+    assert coords[0].planner.state_dict() == coords[1].planner.state_dict()
 
 
 def test_a_bad_pending_reset_names_the_argument():

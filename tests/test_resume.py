@@ -91,6 +91,22 @@ def test_planner_resized_state_reseeds_models_and_plan():
     assert larger.plan == [16, 16, 16, 16]
 
 
+def test_a_resized_resume_drops_memory_caps_that_cannot_hold_the_new_batch():
+    # Four ranks capped at 10 hold 32 samples; two of them do not. The resize used to fail inside the re-plan,
+    # after the models and history were overwritten, with an error blaming max_batch_size.
+    p = BalancePlanner(4, 32)
+    p.end_epoch(0, np.array([[[8, 0.01 * (r + 1), 0]] * 5 for r in range(4)]), memory_caps=[10] * 4)
+    fits = BalancePlanner(2, 16)
+    with pytest.warns(RuntimeWarning, match="keep their time models"):
+        fits.load_state_dict(p.state_dict(), resize=True)
+    assert fits.memory_caps == [10, 10] and sum(fits.plan) == 16 and max(fits.plan) <= 10
+    small = BalancePlanner(2, 32)
+    with pytest.warns(RuntimeWarning, match="memory caps cannot hold this global batch and were dropped"):
+        small.load_state_dict(p.state_dict(), resize=True)
+    assert small.memory_caps == [None, None] and sum(small.plan) == 32
+    assert small.model_params() == p.model_params()[:2]
+
+
 # ---------------------------------------------------------------------------------------------- real runs
 
 def trainer(out, callbacks, devices=2, **kw):

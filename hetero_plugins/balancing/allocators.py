@@ -119,7 +119,11 @@ def largest_remainder(shares: Sequence[float], total: int, bounds: Bounds) -> li
         [2, 1, 1]
     """
     bounds.check_feasible(total)
-    x = np.clip(np.asarray(shares, dtype=np.float64), bounds.min_batch, bounds.max_batch)
+    x = np.asarray(shares, dtype=np.float64)
+    if x.shape != (bounds.world_size,) or not np.all(np.isfinite(x)):
+        raise ValueError(f"`shares`={x.tolist()} must hold {bounds.world_size} finite numbers, one per rank. HINT: "
+                         "pass each rank's real-valued share of the total.")
+    x = np.clip(x, bounds.min_batch, bounds.max_batch)
     out = np.floor(x + 1e-9).astype(np.int64)
     out = np.clip(out, bounds.min_batch, bounds.max_batch)
     frac = x - out
@@ -156,7 +160,10 @@ def reroute_backlog(plan: Sequence[int], backlog: Sequence[float], bounds: Bound
     """
     extra = [max(0.0, float(c)) for c in backlog]
     plan = [int(b) for b in plan]
-    if len(extra) != len(plan) or not any(extra):
+    if len(extra) != len(plan) or not all(math.isfinite(c) for c in extra):
+        raise ValueError(f"`backlog`={list(backlog)} must hold one finite number per rank ({len(plan)}). HINT: pass "
+                         "each rank's extra samples per step, 0 where it has none.")
+    if not any(extra):
         return plan
     give = [min(c, b - lo) for c, b, lo in zip(extra, plan, bounds.min_batch)]
     weights = [b if c == 0 else 0.0 for b, c in zip(plan, extra)]
@@ -241,9 +248,16 @@ class Allocator(ABC):
     def _equal(self, global_batch: int, bounds: Bounds) -> list[int]:
         return largest_remainder([global_batch / bounds.world_size] * bounds.world_size, global_batch, bounds)
 
+    @staticmethod
+    def _usable(current: Sequence[int] | None, global_batch: int, bounds: Bounds) -> bool:
+        """Whether ``current`` is a plan that may be kept: one size per rank, summing to ``global_batch``, each
+        within the rank's bounds (a cap lowered since, e.g. a memory limit, rules the old plan out)."""
+        return (current is not None and len(current) == bounds.world_size and sum(current) == global_batch
+                and all(lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch)))
+
     def _keep_or_equal(self, global_batch: int, bounds: Bounds, current: Sequence[int] | None) -> list[int]:
-        if current is not None and sum(current) == global_batch and len(current) == bounds.world_size:
-            return list(current)
+        if self._usable(current, global_batch, bounds):
+            return list(current)  # type: ignore[arg-type]
         return self._equal(global_batch, bounds)
 
 
@@ -371,7 +385,7 @@ class LBBAllocator(Allocator):
         if lines is None:
             return self._keep_or_equal(global_batch, bounds, current)
         fitted = [TimeModelParams(float(x), float(y)) for x, y in zip(*lines)]
-        valid_current = current is not None and sum(current) == global_batch and len(current) == bounds.world_size
+        valid_current = self._usable(current, global_batch, bounds)
         if valid_current:
             level = self._level(predicted_times(fitted, current))  # type: ignore[arg-type]
             if level <= self.tolerance:

@@ -195,7 +195,8 @@ class PlanCoordinator:
         planner.replan(gathered)
         self.adopt(self.comm.broadcast_object(
             {"plan": list(planner.plan), "predicted_step_time": planner.predicted_step_time,
-             "pending_reset": planner.pending_reset}, name="hetero_plugins.replan"))
+             "pending_reset": planner.pending_reset, "damping": planner.damping.state_dict()},
+            name="hetero_plugins.replan"))
         return list(planner.plan)
 
     def end_epoch(
@@ -264,7 +265,8 @@ class PlanCoordinator:
         decided = comm.broadcast_object(
             {"plan": list(planner.plan), "predicted_gain": entry.get("predicted_gain"),
              "plan_changed": entry.get("plan_changed"), "predicted_step_time": planner.predicted_step_time,
-             "pending_reset": planner.pending_reset, "relocation": relocation}, name="hetero_plugins.plan")
+             "pending_reset": planner.pending_reset, "damping": planner.damping.state_dict(),
+             "relocation": relocation}, name="hetero_plugins.plan")
         self.adopt(decided, entry)
         if self.advisor is not None:
             entry["relocation"] = decided["relocation"]
@@ -274,12 +276,14 @@ class PlanCoordinator:
         return entry
 
     def adopt(self, decided: Mapping[str, Any], entry: dict[str, Any] | None = None) -> None:
-        """Take rank 0's decision (``plan``, ``predicted_step_time``, ``pending_reset``, ``predicted_gain``,
-        ``plan_changed``) as this rank's, in the planner and in ``entry``: only rank 0 may hold the cluster context
-        that announces a change, so its pending level resets keep every rank's time models alike."""
+        """Take rank 0's decision (``plan``, ``predicted_step_time``, ``pending_reset``, ``damping``,
+        ``predicted_gain``, ``plan_changed``) as this rank's, in the planner and in ``entry``: only rank 0 may hold
+        the cluster context that announces a change, so its pending level resets keep every rank's time models
+        alike, and its move limits every rank's checkpoint."""
         self.planner.plan = [int(b) for b in decided["plan"]]
         self.planner.predicted_step_time = decided["predicted_step_time"]
         self.planner.pending_reset = decided["pending_reset"]
+        self.planner.damping.load_state_dict(decided["damping"])
         if entry is not None:
             entry["next_batch_sizes"] = list(self.planner.plan)
             entry["predicted_gain"], entry["plan_changed"] = decided["predicted_gain"], decided["plan_changed"]

@@ -31,6 +31,7 @@ from hetero_plugins._validation import check_bool, check_float, check_int
 from hetero_plugins.balancing.allocators import (Allocator, Bounds, get_allocator, largest_remainder,
                                                   min_makespan_split, reroute_backlog)
 from hetero_plugins.balancing.cliffs import CliffMemory, row_medians
+from hetero_plugins.balancing.damping import MoveDamping
 from hetero_plugins.balancing.epoch_stats import epoch_entry
 from hetero_plugins.balancing.lines import proportional_knees
 from hetero_plugins.balancing.time_model import (LinearTimeModel, ModelList, TimeModelBank, TimeModelLines,
@@ -165,9 +166,7 @@ class BalancePlanner:
         self._cliffs = CliffMemory(world_size, cliff_epochs, cliff_tolerance, prefix="cliff_")
         self.cliff_epochs = self._cliffs.epochs  #: as built (setting it later changes nothing)
         self._models = ModelList(self._bank)
-        self._top_factor = math.inf if max_change_factor is None else float(max_change_factor)
-        self._factor = np.full(world_size, self._top_factor)
-        self._last_move = np.zeros(world_size, dtype=np.int64)
+        self.damping = MoveDamping(world_size, max_change_factor)  #: per-rank move limits (LB-BSP damping)
         self.memory_caps: list[int | None] = [None] * world_size
         self.bounds.check_feasible(global_batch)
         if initial_plan is None:
@@ -262,9 +261,12 @@ class BalancePlanner:
         """Start ``rank``'s time model from a predicted ``(intercept, slope)`` line: a rank with no history (a new
         node, a relocated rank), whose measured steps replace the prediction (:meth:`LinearTimeModel.from_params`;
         ``batch_size`` defaults to its current batch; ``data_time``: its data seconds per step there, if known)."""
+        rank = check_int("rank", rank, minimum=0, hint=f"a rank in 0..{self.world_size - 1}")
+        if rank >= self.world_size:
+            raise ValueError(f"`rank`={rank} is not a rank of this planner. HINT: use 0..{self.world_size - 1}.")
         size = self.plan[rank] if batch_size is None else batch_size
         self._cliffs.forget(rank)
-        self._factor[rank], self._last_move[rank] = math.inf, 0  # undamped until measured: its past was elsewhere
+        self.damping.release(rank)  # undamped until measured: its past was elsewhere
         if data_time is not None:
             self._data[rank] = check_float("data_time", data_time, minimum=0.0)
         opts = {k: v for k, v in self._bank.options().items() if k != "groups"}
@@ -283,8 +285,7 @@ class BalancePlanner:
                        for n, j, m in zip(new, src, self.models)]
         self._data = np.where(new, 0.0, self._data[src])
         self.memory_caps = [None if n else self.memory_caps[j] for n, j in zip(new, src)]
-        self._factor = np.where(new, self._top_factor, self._factor[src])
-        self._last_move = np.where(new, 0, self._last_move[src])
+        self.damping.follow(new, src)
         self._drift = np.where(new, 0, self._drift[src])
         self._cliffs.follow(idx)
         self._regime = {i for i, j in enumerate(idx.tolist()) if j >= 0 and j in self._regime}
@@ -389,7 +390,7 @@ class BalancePlanner:
             changes = self._bank.change_points if self._cliffs.epochs else None
             self._bank.observe(records[:, skip:, 0], records[:, skip:, 1])
             got = np.isfinite(records[:, skip:, 1]).any(axis=1)  # a seeded rank, once measured, is damped again
-            self._factor[got] = np.minimum(self._factor[got], self._top_factor)
+            self.damping.measured(got)
             if changes is not None:
                 self._cliffs.record(records[:, skip:, 0], records[:, skip:, 1], self._bank.change_points != changes)
             if records.shape[2] >= 3:
@@ -431,6 +432,10 @@ class BalancePlanner:
         """
         records = np.asarray(records, dtype=np.float64)
         caps = None if memory_caps is None else self._checked_caps(memory_caps)
+        steps = records.shape[1] if records.ndim == 3 else 0
+        if check_int("observed_steps", observed_steps, minimum=0) > steps:
+            raise ValueError(f"`observed_steps`={observed_steps} exceeds the epoch's {steps} steps. HINT: pass how "
+                             "many of this epoch's leading steps were already fed through replan().")
         self.observe(records[:, observed_steps:])
         if caps is not None:
             self.memory_caps = caps
@@ -453,19 +458,6 @@ class BalancePlanner:
         if np.array_equal(top, hi) or top.sum() < self.global_batch:
             return bounds
         return Bounds(bounds.min_batch, tuple(int(x) for x in top))
-
-    def _change_bounds(self, bounds: Bounds, current: Sequence[int]) -> Bounds:
-        """``bounds`` narrowed to within ``max_change_factor`` (per rank, damped) of the current plan."""
-        if self.max_change_factor is None:
-            return bounds
-        cur = np.asarray(current, dtype=np.float64)
-        lo, hi = np.asarray(bounds.min_batch), np.asarray(bounds.max_batch)
-        if not np.all((lo <= cur) & (cur <= hi)):
-            return bounds  # the bounds moved (a new memory cap): any plan within them
-        f = self._factor
-        t_lo = np.maximum(lo, np.minimum(cur - 1, np.ceil(cur / f))).astype(np.int64)
-        t_hi = np.minimum(hi, np.maximum(cur + 1, np.floor(cur * f))).astype(np.int64)
-        return Bounds(tuple(t_lo.tolist()), tuple(t_hi.tolist()))
 
     def _damp(self, proposal: list[int], trust: Bounds) -> list[int]:
         """``proposal`` with every rank's batch clipped into ``trust``, the samples this adds or removes moved
@@ -491,19 +483,6 @@ class BalancePlanner:
             return min_makespan_split(a, s, self.global_batch, low, high, lines.knee, beyond).tolist()
         return largest_remainder((q + missing * q / q.sum()).tolist(), self.global_batch, trust)
 
-    def _record_move(self, old: Sequence[int], new: Sequence[int]) -> None:
-        """Square-root the factor of ranks whose batch moved back the way it came (by a quarter or more);
-        restore it when a rank moves the same way twice."""
-        if self.max_change_factor is None:
-            return
-        o, n = np.asarray(old, dtype=np.float64), np.asarray(new, dtype=np.float64)
-        move = np.where(np.abs(n - o) >= np.maximum(2.0, 0.25 * o), np.sign(n - o), 0).astype(np.int64)
-        back = (move != 0) & (move == -self._last_move)
-        again = (move != 0) & (move == self._last_move)
-        self._factor[back] = np.sqrt(self._factor[back])
-        self._factor[again] = np.minimum(self._factor[again] ** 2, self.max_change_factor)
-        self._last_move = np.where(move != 0, move, self._last_move)
-
     def _decide(self) -> dict[str, Any]:
         self._bank.settle()  # a change that began in the last few steps counts for this decision
         bounds = self.bounds
@@ -511,7 +490,7 @@ class BalancePlanner:
         proposal = self.allocator.allocate(self.decision_lines(), self.global_batch, bounds, current=current)
         if self.regime_reset:
             self._regime.update(int(r) for r in self.allocator.changed_ranks)
-        trust = self._extrapolation_bounds(self._change_bounds(bounds, current), current)  # damping, extrapolation
+        trust = self._extrapolation_bounds(self.damping.bounds(bounds, current), current)  # damping, extrapolation
         proposal = self._damp([int(b) for b in proposal], trust)
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
         cur = np.asarray(current)
@@ -525,7 +504,7 @@ class BalancePlanner:
         adopt = proposal != current and (out_of_bounds or (gain > self.min_gain and sure > self.min_gain))
         if adopt:
             log.info("BalancePlanner: new plan (predicted gain %.1f%%)", 100 * gain)
-            self._record_move(current, proposal)
+            self.damping.record(current, proposal)
             self.plan = list(proposal)
         self._predicted_step_time = self.predict_step_time(self.plan)
         return {"next_batch_sizes": list(self.plan), "predicted_gain": gain, "plan_changed": adopt}
@@ -537,8 +516,7 @@ class BalancePlanner:
             "plan": list(self.plan),
             "models": [m.state_dict() for m in self.models],
             "memory_caps": list(self.memory_caps),
-            "change_factor": self._factor.tolist(),
-            "last_move": self._last_move.tolist(),
+            **self.damping.state_dict(),
             "drift": self._drift.tolist(),
             "history": list(self.history),
             "predicted_step_time": self._predicted_step_time,
@@ -567,13 +545,18 @@ class BalancePlanner:
                 "of ranks and batch size, or pass resize=True to re-seed the plan and time models from it."
             )
         kept = min(saved_world, self.world_size) if resized else self.world_size
+        caps = (list(state.get("memory_caps", [None] * saved_world)) + [None] * self.world_size)[: self.world_size]
+        dropped = False
+        if resized:  # checked before any state changes: caps that cannot hold the new global batch are dropped
+            try:
+                caps = self._checked_caps(caps)
+            except ValueError:
+                caps, dropped = [None] * self.world_size, True
         for m, s in zip(self.models[:kept], state["models"]):
             m.load_state_dict(s)
-        caps = list(state.get("memory_caps", [None] * saved_world))
-        self.memory_caps = (caps + [None] * self.world_size)[: self.world_size]
+        self.memory_caps = caps
         if "change_factor" in state and not resized:  # a resized run starts its damping afresh
-            self._factor = np.asarray(state["change_factor"], dtype=np.float64)
-            self._last_move = np.asarray(state["last_move"], dtype=np.int64)
+            self.damping.load_state_dict(state)
             self._drift = np.asarray(state.get("drift", self._drift), dtype=np.int64)
         data = list(state.get("data_time", []))[:kept]
         self._data[: len(data)] = data
@@ -592,6 +575,7 @@ class BalancePlanner:
             f"BalancePlanner: the checkpoint is for {saved_world} ranks and a global batch of {saved_batch}; this run "
             f"has {self.world_size} ranks and {self.global_batch}. Ranks {list(range(kept))} keep their time models"
             f"{f', ranks {fresh} start without one (an equal share until measured)' if fresh else ''}; the plan is "
-            f"decided again: {self.plan}.",
+            f"decided again: {self.plan}."
+            f"{' The saved memory caps cannot hold this global batch and were dropped.' if dropped else ''}",
             RuntimeWarning, stacklevel=2,
         )

@@ -192,7 +192,7 @@ class TimeModelBank:
         """Learn from steps: ``batch_sizes`` and ``seconds`` of shape ``(ranks, steps)`` (or ``(ranks,)`` for
         one step), for all ranks or for ``rows``. Steps with a batch size <= 0 or a time that is negative or
         not finite carry no information and are skipped."""
-        rows_all = np.arange(self.size) if rows is None else np.asarray(rows, dtype=np.int64).ravel()
+        rows_all = np.arange(self.size) if rows is None else self._rows("rows", rows)
         b = np.asarray(batch_sizes, dtype=np.float64)
         t = np.asarray(seconds, dtype=np.float64)
         if b.ndim == 1:
@@ -336,15 +336,21 @@ class TimeModelBank:
         steps start the new regime's line instead of being fitted with the old regime's. The fixed cost
         ``kappa`` stays, as at a detected change inside its fitted range (a slowdown scales a fixed cost and a
         per-sample cost alike), and the rank's line is fitted afresh from the new regime's steps."""
-        r = np.unique(np.asarray(rows, dtype=np.int64))
+        r = np.unique(self._rows("rows", rows))
         if len(r) == 0:
             return
-        if r.min() < 0 or r.max() >= self.size:
-            raise ValueError(f"`rows`={r.tolist()} must be ranks in [0, {self.size}). HINT: pass rank indices.")
         self._gb[r], self._gy[r], self._gw[r] = 0.0, 0.0, 0.0
         self._klo[r], self._khi[r] = np.nan, np.nan
         self._np[r], self._ps[r], self._nobs[r] = 0, 0, 0
         self._lines = None
+
+    def _rows(self, name: str, rows: Any) -> np.ndarray:
+        """``rows`` as an array of rank indices in ``[0, size)``, else a ``ValueError`` naming ``name``."""
+        r = np.asarray(rows).ravel()
+        if r.size and (not np.issubdtype(r.dtype, np.integer) or r.min() < 0 or r.max() >= self.size):
+            raise ValueError(f"`{name}`={r.tolist()} must be ranks (ints) in [0, {self.size}). HINT: pass rank "
+                             "indices.")
+        return r.astype(np.int64)
 
     def drift(self, b: np.ndarray, t: np.ndarray, tolerance: float, z: float = 2.5) -> np.ndarray:
         """Per rank, whether steps ``(b, t)`` (shape ``(size, steps)``, not yet observed) ran off the level already
@@ -512,6 +518,8 @@ class TimeModelBank:
             "change_points": int(self._changes[i]),
             "held_back": [[float(self._pb[i, j]), float(self._pt[i, j])] for j in range(k)],
             "held_back_sign": int(self._ps[i]),
+            # Valid steps of the last observe call: settle() reads it at the next decision (a resume in between).
+            "last_steps": int(self._last_steps[i]),
         }
 
     def load_row(self, i: int, state: dict[str, Any]) -> None:
@@ -546,6 +554,8 @@ class TimeModelBank:
             self._pb[i, j], self._pt[i, j] = b, t
         self._np[i] = len(held)
         self._ps[i] = int(state.get("held_back_sign", 0))
+        # Earlier checkpoints lack it: never settle their held-back run early (a run must span the last call).
+        self._last_steps[i] = int(state.get("last_steps", len(held) + 1))
         self._lines = None
 
     def _clear(self, i: int) -> None:
