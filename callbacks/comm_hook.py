@@ -60,8 +60,9 @@ def check_one_weighting(callbacks: Any, me: Any) -> None:
     others = [cb for cb in callbacks if cb is not me and getattr(cb, "registers_weighted_hook", False)]
     if others:
         names = sorted({type(me).__name__, *(type(cb).__name__ for cb in others)})
+        who = " and ".join(names) if len(names) > 1 else f"{len(others) + 1} {names[0]} callbacks"
         raise ValueError(
-            f"{' and '.join(names)} each weight the gradients with a DDP comm hook, and a model takes one "
+            f"{who} each weight the gradients with a DDP comm hook, and a model takes one "
             f"({len(others) + 1} callbacks would register it). HINT: keep one: with strategy='hetero_ddp' (it brings "
             "its own BatchBalancer) pass the balancer's options to the strategy and leave BatchBalancer and "
             "StragglerMonitor out; beside strategy='ddp' use either BatchBalancer (it balances and records the "

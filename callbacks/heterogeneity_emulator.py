@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.emulation import EmulationModel, RandomStalls, Stall
 
 __all__ = ["HeterogeneityEmulator"]
@@ -58,6 +59,7 @@ class HeterogeneityEmulator(Callback):
                 f"HeterogeneityEmulator got {self.model.world_size} `speeds` ({self.model.speeds}) for "
                 f"{trainer.world_size} ranks. HINT: give exactly one speed per rank."
             )
+        release_process_group_at_exit()  # beside the stock "ddp": gloo's threads may abort the exit otherwise
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = int(extract_batch_size(batch))

@@ -20,6 +20,7 @@ from hetero_plugins._validation import check_bool
 from hetero_plugins.balancing.coordinator import gather_records as balancing_gather
 from hetero_plugins.callbacks._collectives import StrategyCollectives
 from hetero_plugins.callbacks.comm_hook import WeightedAllreduceState, check_one_weighting, weighted_allreduce_hook
+from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.metrics import idle_fraction, straggler_level
 from hetero_plugins.telemetry import StepTimer
 
@@ -63,6 +64,7 @@ class StragglerMonitor(Callback):
             check_one_weighting(trainer.callbacks, self)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        release_process_group_at_exit()  # beside the stock "ddp": gloo's threads may abort the exit otherwise
         model = trainer.strategy.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and self._state is None:
             self._state = WeightedAllreduceState(1.0 / trainer.world_size, timer=self.timer)

@@ -21,10 +21,15 @@ import json
 import time
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
+
+try:
+    import horovod.torch as hvd
+except ImportError as err:  # make demo installs no Horovod; make horovod (or make test) builds it
+    raise SystemExit(f"examples/horovod_train.py needs Horovod ({err}). HINT: run `make horovod` (it builds Horovod "
+                     "0.28.1 against this torch once and caches the wheel), then launch with horovodrun.") from err
 
 import hetero_plugins.horovod as hh
 from hetero_plugins.apps.digits import digits_datasets

@@ -41,7 +41,7 @@ def main() -> None:
                         help="auto: the GPUs when there are any, else the CPU (default)")
     parser.add_argument("--devices", default="auto",
                         help="processes: a number, or auto (every GPU; on the CPU one per emulated speed)")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs to train (default 4)")
     parser.add_argument("--speeds", default="auto",
                         help="emulated speed per rank, e.g. 1,0.25; auto: 1,0.25 on the CPU and none on GPUs; none")
     parser.add_argument("--cost-per-sample", type=float, default=0.002)
@@ -49,12 +49,15 @@ def main() -> None:
     parser.add_argument("--aggregation", default="weighted",
                         choices=["weighted", "deadline", "wbsp", "pseudo_sync", "local_sgd"],
                         help="how each step's gradients are combined (strategy only)")
-    parser.add_argument("--policy", default="equal_finish", help="allocator: equal_finish, lbb, dqn, auto, ...")
+    parser.add_argument("--policy", default="auto",
+                        help="allocator: auto (the library's default), equal_finish, lbb, dqn, proportional, static")
     parser.add_argument("--cluster", default=None, help="cluster description JSON (re-read every epoch)")
     parser.add_argument("--out", default=None, help="rank 0 writes plan history, weights and predictions here (.pt)")
     args = parser.parse_args()
-    if args.devices != "auto" and not args.devices.isdigit():
-        parser.error(f"--devices must be a number or auto, got {args.devices!r}")
+    if args.devices != "auto" and (not args.devices.isdigit() or int(args.devices) < 1):
+        parser.error(f"--devices must be a number >= 1 or auto, got {args.devices!r}")
+    if args.epochs < 1:
+        parser.error(f"--epochs must be >= 1, got {args.epochs}")
 
     # Where to run: the GPUs when there are any, else the CPU (README, "On GPUs").
     accelerator = args.accelerator
@@ -69,6 +72,8 @@ def main() -> None:
             speeds = [float(s) for s in args.speeds.split(",")]
         except ValueError:
             parser.error(f"--speeds must be auto, none or comma-separated numbers, got {args.speeds!r}")
+        if min(speeds) <= 0:
+            parser.error(f"--speeds must be positive (1: full speed, 0.25: a quarter), got {args.speeds!r}")
     devices = args.devices
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "gpu" else len(speeds or [1, 1])
@@ -78,10 +83,13 @@ def main() -> None:
                      "or --speeds none.")
 
     callbacks: list = [] if speeds is None else [HeterogeneityEmulator(speeds, cost_per_sample=args.cost_per_sample)]
-    if args.callback:
-        callbacks.append(BatchBalancer(policy=args.policy, cluster=args.cluster))
-    strategy = "ddp" if args.callback else HeteroDDPStrategy(aggregation=args.aggregation, policy=args.policy,
-                                                             cluster=args.cluster)
+    try:  # the options are checked here, before any rank starts
+        if args.callback:
+            callbacks.append(BatchBalancer(policy=args.policy, cluster=args.cluster))
+        strategy = "ddp" if args.callback else HeteroDDPStrategy(aggregation=args.aggregation, policy=args.policy,
+                                                                 cluster=args.cluster)
+    except ValueError as err:
+        parser.error(str(err))
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator=accelerator, devices=devices, strategy=strategy, max_epochs=args.epochs,

@@ -378,6 +378,8 @@ def test_the_horovod_strategy_names_a_mistyped_keyword():
     (dict(drop_last="False"), "`drop_last` must be True or False, got 'False'.*HINT"),  # was read as True
     (dict(shuffle="no"), "`shuffle` must be True or False, got 'no'.*HINT"),
     (dict(seed=1.9), "`seed` must be an int, got 1.9.*HINT"),  # was cut to 1
+    (dict(replan_every=3), "`replan_every`=3 does not apply to .*HeteroBatchSampler.*HINT"),
+    (dict(replan_every=5), "`replan_every`=5 does not apply"),  # Lightning's default, once silently ignored here
 ])
 def test_the_horovod_sampler_refuses_what_it_used_to_coerce(kwargs, match):
     from hetero_plugins.horovod import HeteroBatchSampler

@@ -98,6 +98,7 @@ def test_demo_command_runs_end_to_end(tmp_path):
     rc, screen = run_in_terminal(cmd, cwd=tmp_path, env=env, timeout=300)
     assert rc == 0, screen[-3000:]
     assert "steady epoch time" in screen and "batch sizes per rank" in screen
+    assert "ideal for these speeds: 2.50x" in screen  # (1 + 0.25) / (2 x 0.25), not the default speeds' 2.75x
     # Each run draws a bar over its steps, with the rate and the time left (2 epochs of 23 steps).
     for label in ("stock DDP", "hetero"):
         bar = re.escape(label) + r": 100%\|.*\| 46/46 \[[0-9:]+<00:00, +[0-9.]+(step/s|s/step)"
@@ -133,3 +134,6 @@ def test_cli_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "hetero_plugins.cli", "demo", "--speeds", "1,fast"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--speeds must be comma-separated numbers" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "hetero_plugins.cli", "demo", "--speeds", "1,-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--speeds must be positive numbers" in proc.stderr

@@ -263,18 +263,18 @@ def test_emulator_needs_one_speed_per_rank(tmp_path):
         t.fit(DigitsMLP())
 
 
-@pytest.mark.parametrize("strategy, callbacks", [
-    ("ddp", lambda: [BatchBalancer(), StragglerMonitor()]),
-    ("hetero_ddp", lambda: [StragglerMonitor()]),
-    ("hetero_ddp", lambda: [BatchBalancer(allocator="lbb")]),
+@pytest.mark.parametrize("strategy, callbacks, who", [
+    ("ddp", lambda: [BatchBalancer(), StragglerMonitor()], "BatchBalancer and StragglerMonitor"),
+    ("hetero_ddp", lambda: [StragglerMonitor()], "BatchBalancer and StragglerMonitor"),
+    ("hetero_ddp", lambda: [BatchBalancer(allocator="lbb")], "2 BatchBalancer callbacks"),  # the strategy's and ours
 ])
-def test_two_gradient_weightings_are_refused_before_the_first_step(tmp_path, strategy, callbacks):
+def test_two_gradient_weightings_are_refused_before_the_first_step(tmp_path, strategy, callbacks, who):
     """Each of these registers the weighted comm hook and torch takes one per model: the run stops at setup with
     the fix, not with torch's "register_comm_hook ... can only be called once" in every rank."""
     t = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks(), max_epochs=1,
                    limit_train_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"each weight the gradients with a DDP comm hook.*HINT: keep one"):
+    with pytest.raises(ValueError, match=rf"^{who} each weight the gradients with a DDP comm hook.*HINT: keep one"):
         t.fit(DigitsMLP(batch_size=16))
 
 

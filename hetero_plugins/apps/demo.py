@@ -10,17 +10,29 @@ import argparse
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hetero_plugins.apps.jobs import run_digits_job, steady_mean
 from hetero_plugins.progress import is_quiet
 
-__all__ = ["main", "render_table"]
+__all__ = ["ideal_speedup", "main", "render_table"]
 
 
-def render_table(ddp: dict[str, Any], hetero: dict[str, Any]) -> str:
-    """A plain-text table of both runs, epoch by epoch, then a summary."""
+def ideal_speedup(speeds: Sequence[float]) -> float:
+    """The speed-up of a perfect balance over equal batches: ``sum(speeds) / (ranks x slowest speed)``.
+
+    Example::
+
+        >>> ideal_speedup([1, 1, 0.5, 0.25])
+        2.75
+    """
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def render_table(ddp: dict[str, Any], hetero: dict[str, Any], speeds: Sequence[float] | None = None) -> str:
+    """A plain-text table of both runs, epoch by epoch, then a summary (with the ideal speed-up for ``speeds``)."""
     lines = [
         f"{'epoch':>5} | {'stock DDP s':>11} {'samples/s':>9} {'straggler':>9} | "
         f"{'hetero s':>8} {'samples/s':>9} {'straggler':>9} {'batch sizes per rank':<22}",
@@ -45,7 +57,7 @@ def render_table(ddp: dict[str, Any], hetero: dict[str, Any]) -> str:
     lines += [
         "-" * 96,
         f"steady epoch time (epochs 1..): stock DDP {steady_mean(ddp, 1):.2f}s, hetero {steady_mean(hetero, 1):.2f}s "
-        f"-> {speedup:.2f}x (ideal for these speeds: 2.75x)",
+        f"-> {speedup:.2f}x{'' if not speeds else f' (ideal for these speeds: {ideal_speedup(speeds):.2f}x)'}",
         f"final val accuracy: stock DDP {ddp['epochs'][-1].get('val_acc', float('nan')):.4f}, "
         f"hetero {hetero['epochs'][-1].get('val_acc', float('nan')):.4f}",
     ]
@@ -89,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         speeds = [float(s) for s in args.speeds.split(",")]
     except ValueError:
         parser.error(f"--speeds must be comma-separated numbers, got {args.speeds!r}")
+    if not speeds or min(speeds) <= 0:
+        parser.error(f"--speeds must be positive numbers (1: full speed, 0.5: half), got {args.speeds!r}")
     if args.epochs < 2:
         parser.error(f"--epochs must be >= 2 (the first epoch measures, later ones are balanced), got {args.epochs}")
     out = Path(args.out)
@@ -104,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     say("2/2 HeteroDDPStrategy (per-rank batches, sample-weighted gradients)...")
     hetero = run_digits_job("hetero", speeds, args.cost_per_sample, args.epochs, label="hetero", run_dir=run_dir)
     print()
-    print(render_table(ddp, hetero))
+    print(render_table(ddp, hetero, speeds))
     (out / "results.json").write_text(json.dumps({"speeds": speeds, "ddp": ddp, "hetero": hetero}, indent=1))
     plot(ddp, hetero, out / "plot.png")
     print(f"\nwrote {out / 'results.json'}, {out / 'plot.png'} and {run_dir} (the HeteroDDPStrategy run's CSV log "

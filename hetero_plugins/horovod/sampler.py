@@ -108,6 +108,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._monitor: SystemMonitor | None = None
         self.num_samples = check_int("num_samples", num_samples, minimum=1)
         self.local_batch_size = check_int("batch_size", batch_size, minimum=1, hint="the per-rank batch size at the start")
+        asked = options.get("replan_every")  # the default (5, for Lightning) cannot tell an explicit 5 from none
+        if asked is not None:
+            raise ValueError(f"`replan_every`={asked!r} does not apply to hetero_plugins.horovod.HeteroBatchSampler: "
+                             "this sampler plans at set_epoch only. HINT: leave `replan_every` out.")
         opts = BalancingOptions.from_kwargs(balancing, options)
         if options:
             raise TypeError(f"HeteroBatchSampler got unexpected keyword argument(s) {sorted(options)}. HINT: the "

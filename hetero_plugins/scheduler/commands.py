@@ -215,7 +215,8 @@ def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
         print(json.dumps(table, indent=2))
         return 0
     print(f"scenario {sc.name}: {sc.world_size} ranks, global batch {sc.global_batch}, {table['epochs']} epochs")
-    print("| allocator | simulated time (s) | samples/s | vs equal_finish | busy (after epoch 0) | planner ms/epoch |")
+    print("| allocator | simulated time (s) | samples/s | time vs equal_finish (< 1: faster) | busy (after epoch 0) | "
+          "planner ms/epoch |")
     print("|---|---|---|---|---|---|")
     for k, v in table["results"].items():
         rel = "-" if v["time_vs_equal_finish"] is None else f"{v['time_vs_equal_finish']:.3f}"
