@@ -137,3 +137,8 @@ def test_cli_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "hetero_plugins.cli", "demo", "--speeds", "1,-1"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--speeds must be positive numbers" in proc.stderr
+    for cmd, flag in ((["transfer", "--scenario", "paper_mix", "--from", "nope.npz"], "--from 'nope.npz'"),
+                      (["profile-interference", "--from", "nope.json"], "--from 'nope.json'")):
+        proc = subprocess.run([sys.executable, "-m", "hetero_plugins.cli", *cmd], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and f"{flag} is not a file. HINT" in proc.stderr, proc.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -266,6 +267,10 @@ def transfer_main(argv: list[str] | None = None) -> int:
         return 2
     if args.seconds <= 0:
         print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 20", file=sys.stderr)
+        return 2
+    if args.model is not None and not os.path.isfile(args.model):
+        print(f"error: --from {args.model!r} is not a file. HINT: pass a model written by `hetero-plugins pretrain` "
+              "or `transfer`, or leave --from out for the shipped one.", file=sys.stderr)
         return 2
     return _train_and_report(args.out, lambda: transfer_dqn(load_scenario(name), source=args.model,
                                                             seconds=args.seconds, seed=args.seed, out=args.out)[1])
