@@ -175,7 +175,8 @@ def summarize(record: RunRecord) -> str:
 
 
 def _utilisation_line(history: Sequence[Mapping[str, Any]]) -> str:
-    for key, label in (("gpu_util", "GPU utilisation per rank, mean %"), ("cpu_percent", "CPU load per rank, mean %")):
+    for key, label in (("gpu_util", "GPU utilisation per rank, mean %"),
+                       ("cpu_percent", "CPU load of each rank's machine (all its processes), mean %")):
         series = _per_rank_series(history, key)
         if series:
             measured = [[v for v in values if v is not None] for values in series]
@@ -375,7 +376,7 @@ def _draw_stragglers(ax: Any, h: Sequence[Mapping[str, Any]]) -> int:
 def _draw_utilisation(ax: Any, h: Sequence[Mapping[str, Any]], colors: list[Any]) -> int:
     ax.set_ylabel("%")
     for key, title in (("gpu_util", "GPU utilisation per rank"),
-                       ("cpu_percent", "CPU load per rank (no GPU measured)")):
+                       ("cpu_percent", "CPU load of each rank's machine (no GPU measured)")):
         series = _per_rank_series(h, key)
         if not series:
             continue
