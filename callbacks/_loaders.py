@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 
 from hetero_plugins.balancing.allocators import Bounds, largest_remainder
+from hetero_plugins.balancing.partition import contiguous_split
 from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 
 __all__ = ["UNSIZED", "BalancedLoaders", "ResumableLoader", "can_balance", "loader_like", "loader_plan"]
@@ -201,6 +202,8 @@ class BalancedLoaders:
         positions = inner.dataset  # Lightning's wrapper: position -> index of the user's sampler order
         order = [int(positions[p]) for p in range(len(positions))]  # type: ignore[arg-type]
         plan = self._plan_for(trainer, False, local, trainer.world_size)
+        if len(order) >= trainer.world_size and any(lo >= hi for lo, hi in contiguous_split(len(order), plan)):
+            plan = [1] * trainer.world_size  # too few samples to share by speed: a rank left none fails Lightning
         self.predict_ordered = True
         return loader_like(dl, HeteroInferenceBatchSampler(order, plan, trainer.global_rank))
 

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,7 @@ class BatchBalancer(Callback):
         self._start_plan: list[int] | None = None
         self._applied = False
         self._hook_state: WeightedAllreduceState | None = None
+        self._hooked: weakref.ref[torch.nn.parallel.DistributedDataParallel] | None = None  # the DDP with the hook
         self._external_weighting: Any = None
         self._pending_state: dict[str, Any] | None = None
         self._epoch_start: float | None = None
@@ -163,6 +165,11 @@ class BatchBalancer(Callback):
     def state_key(self) -> str:
         return "BatchBalancer"
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_hooked"] = None  # a weak reference does not pickle (ddp_spawn pickles the callbacks)
+        return state
+
     @property
     def hook_state(self) -> WeightedAllreduceState | None:
         """The weighted comm hook's state once registered (its ``bytes`` count what the hook sent)."""
@@ -174,11 +181,14 @@ class BatchBalancer(Callback):
 
 
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel, world_size: int) -> None:
-        """Register the sample-weighted all-reduce hook on ``ddp_model`` (once)."""
-        if self._hook_state is not None:
+        """Register the sample-weighted all-reduce hook on ``ddp_model`` (once per DDP wrapper: a second ``fit``
+        wraps the module again, and the new wrapper needs the hook too)."""
+        if self._hook_state is not None and self._hooked is not None and self._hooked() is ddp_model:
             return
-        self._hook_state = WeightedAllreduceState(1.0 / world_size, timer=self.timer)
+        if self._hook_state is None:
+            self._hook_state = WeightedAllreduceState(1.0 / world_size, timer=self.timer)
         ddp_model.register_comm_hook(self._hook_state, weighted_allreduce_hook)
+        self._hooked = weakref.ref(ddp_model)
 
     def attach_weighting(self, weighting: Any) -> None:
         """Use an external gradient weighting (an object with ``set_weight(float)``), e.g. Horovod's."""
@@ -267,9 +277,9 @@ class BatchBalancer(Callback):
             problem, self._resumed_relocation = comm.broadcast_object(found, name="hetero_plugins.resumed")
             if problem is not None:
                 raise ValueError(problem)
-        if self._external_weighting is not None or self._hook_state is not None:
-            return
         model = trainer.strategy.model
+        if self._external_weighting is not None or (self._hooked is not None and self._hooked() is model):
+            return
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             self.attach_ddp(model, trainer.world_size)
         elif trainer.world_size > 1:
@@ -368,8 +378,11 @@ class BatchBalancer(Callback):
         # needs no collective and is revisited after every step.
         backlog = self.backlog_fn(len(own) - done - lookahead) if self.backlog_fn is not None else None
         plan = self.planner.plan_with_backlog(backlog) if backlog else list(self.planner.plan)
-        start = done + lookahead
-        if tuple(plan) != tuple(own.plan_at(start)):
+        # Under gradient accumulation the hook weights a window's summed gradient once, by the rank's share: every
+        # micro-batch of a window must run the same plan, so a change starts at a window's first step.
+        window = max(1, int(trainer.accumulate_grad_batches))
+        start = -(-(done + lookahead) // window) * window
+        if start < len(own) and tuple(plan) != tuple(own.plan_at(start)):
             own.set_plan(plan, from_step=start)
             self._plan_changes = [c for c in self._plan_changes if c["step"] < start]
             self._plan_changes.append({"step": start, "batch_sizes": plan})

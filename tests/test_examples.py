@@ -142,3 +142,42 @@ def test_cli_rejects_bad_arguments():
         proc = subprocess.run([sys.executable, "-m", "hetero_plugins.cli", *cmd], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2 and f"{flag} is not a file. HINT" in proc.stderr, proc.stderr[-2000:]
+
+
+PREDICT_AFTER_FIT = '''
+import sys
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from hetero_plugins.apps.digits import digits_datasets
+from hetero_plugins.callbacks import HeterogeneityEmulator
+from hetero_plugins.strategies import HeteroDDPStrategy
+from tests.lightning_jobs import DigitsMLP
+
+pl.seed_everything(0, verbose=False)
+t = pl.Trainer(accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(), max_epochs=1, limit_train_batches=12,
+               logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0, limit_val_batches=0,
+               callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)])
+model = DigitsMLP(batch_size=16)
+t.fit(model)
+x, y = digits_datasets(dtype=torch.float64)[1].tensors
+out = t.predict(model, dataloaders=DataLoader(TensorDataset(x[:4], y[:4]), batch_size=4))
+if t.is_global_zero:
+    print("PLAN", t.strategy.batch_plan, "PREDICTED", sum(len(p) for p in out))
+'''
+
+
+def test_predict_after_fit_on_fewer_samples_than_the_plan_shares_gives_every_rank_some(tmp_path):
+    """Launched as a user launches a script (Lightning re-runs it per rank, so the fitted plan stays for predict):
+    rank 1 (4x slower) holds about 1 in 5 samples, so 4 predict samples shared by speed left it none, and
+    Lightning stopped that rank ("DataLoader within local rank has zero length")."""
+    script = tmp_path / "predict_after_fit.py"
+    script.write_text(PREDICT_AFTER_FIT)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = [int(b) for b in re.search(r"PLAN \[(\d+), (\d+)\]", proc.stdout).groups()]
+    assert plan[1] * 5 <= sum(plan)  # 4 samples by this share: none for rank 1
+    assert "PREDICTED 4" in proc.stdout

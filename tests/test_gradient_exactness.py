@@ -68,3 +68,33 @@ def test_stock_averaging_is_not_exact_with_uneven_batches():
     ref = reference()
     params, _ = run_distributed(_ddp_run, 2, False, timeout=120)[0]
     assert max((p - r).abs().max().item() for p, r in zip(params, ref)) > 1e-4
+
+
+def _balancer_across_two_wrappers(rank, world_size):
+    """A second ``fit`` in the same process wraps the module in a new DDP: the balancer must hook that one too."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hetero_plugins.callbacks import BatchBalancer
+
+    balancer = BatchBalancer()
+    first = DistributedDataParallel(make_model())
+    balancer.attach_ddp(first, world_size)
+    balancer.attach_ddp(first, world_size)  # the same wrapper again: registered once (torch refuses twice)
+    model = make_model()
+    second = DistributedDataParallel(model)
+    balancer.attach_ddp(second, world_size)
+    balancer.hook_state.weight = PLAN[rank] / sum(PLAN)
+    x, y = step_data(0)
+    lo = sum(PLAN[:rank])
+    torch.nn.functional.cross_entropy(second(x[lo : lo + PLAN[rank]]), y[lo : lo + PLAN[rank]]).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.distributed
+def test_the_balancer_weights_the_gradients_of_a_second_fits_new_ddp_wrapper():
+    model = make_model()
+    x, y = step_data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for grads in run_distributed(_balancer_across_two_wrappers, 2, timeout=120):
+        for g, r in zip(grads, (p.grad for p in model.parameters())):
+            assert torch.allclose(g, r, rtol=0, atol=1e-12), (g - r).abs().max()

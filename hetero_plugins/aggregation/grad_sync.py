@@ -10,15 +10,24 @@ carried-over backlogs) ride in the same buffer, so one all-reduce yields both th
 total N of samples actually processed; the result is rescaled by B / N. The update is then the mean
 gradient over exactly the samples the step processed, whatever each rank managed (SA-ATP, Li et al. 2024:
 partial contributions stay unbiased when weighted by samples).
+
+The buffer has the gradients' dtype. Each count slot is written by one rank only (the others add zeros), so
+it comes back exact when its value is representable: a float32 / float64 buffer holds a count in one slot,
+as always; a narrower one (bfloat16 holds integers exactly only up to 256, float16 up to 2048) holds it as
+base-2^(mantissa bits + 1) digits, one slot each, which every rank decodes exactly (:func:`count_slots`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["flat_gradients", "set_flat_gradients", "sync_sample_weighted", "trainable"]
+__all__ = ["count_slots", "flat_gradients", "set_flat_gradients", "sync_sample_weighted", "trainable"]
+
+#: Bits of a count (or backlog) that a narrow dtype's digit slots carry exactly (as much as a float64 slot).
+_COUNT_BITS = 53
 
 
 def trainable(params: Sequence[torch.nn.Parameter] | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -58,6 +67,42 @@ def set_flat_gradients(params: Sequence[torch.Tensor], flat: torch.Tensor) -> No
         offset += n
 
 
+def count_slots(dtype: torch.dtype) -> tuple[int, int]:
+    """``(base, digits)``: how :func:`sync_sample_weighted` carries a count in a buffer of ``dtype`` exactly.
+
+    float32 and float64 (and a non-float dtype, whose gradients travel as float32) take one slot per count
+    (``base`` 0: the value itself). A narrower float takes ``digits`` slots of base ``2 ** significand bits`` (every
+    digit is an integer the dtype holds exactly), enough for counts below ``2 ** 53``.
+
+    Example::
+
+        >>> [count_slots(d) for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)]
+        [(0, 1), (0, 1), (256, 7), (2048, 5)]
+    """
+    if not dtype.is_floating_point or dtype in (torch.float32, torch.float64):
+        return 0, 1
+    bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # the significand's bits: every integer up to 2**bits
+    return 2**bits, -(-_COUNT_BITS // bits)
+
+
+def _digits(value: int, base: int, digits: int) -> list[float]:
+    """``value`` as ``digits`` slot values (least significant first; a negative value negates every digit)."""
+    if not base:
+        return [float(value)]
+    sign, rest, out = (-1 if value < 0 else 1), abs(int(value)), []
+    for _ in range(digits):
+        rest, digit = divmod(rest, base)
+        out.append(float(sign * digit))
+    return out
+
+
+def _undigits(slots: Sequence[float], base: int) -> int:
+    """The integer that :func:`_digits` wrote into ``slots`` (summed over the ranks: one rank's, the rest 0)."""
+    if not base:
+        return round(float(slots[0]))
+    return sum(round(float(d)) * base**i for i, d in enumerate(slots))
+
+
 def sync_sample_weighted(
     params: Sequence[torch.Tensor],
     samples: int,
@@ -79,7 +124,8 @@ def sync_sample_weighted(
         backlog: samples this rank carries into later steps (shared with every rank for re-planning).
 
     Returns:
-        ``(samples_per_rank, backlog_per_rank)`` as seen by every rank.
+        ``(samples_per_rank, backlog_per_rank)`` as seen by every rank, exact whatever the gradients' dtype
+        (:func:`count_slots`).
 
     Example (one rank)::
 
@@ -89,15 +135,19 @@ def sync_sample_weighted(
         >>> p.grad.tolist()
         [1.0, 2.0]
     """
-    flat = flat_gradients(params, extra=2 * world_size)
-    n = flat.numel() - 2 * world_size
-    flat[n + rank] = float(samples)
-    flat[n + world_size + rank] = float(backlog)
+    first = params[0] if params else torch.zeros(0)  # flat_gradients gives the buffer this dtype
+    base, digits = count_slots(first.dtype if first.is_floating_point() else torch.float32)
+    flat = flat_gradients(params, extra=2 * world_size * digits)
+    n = flat.numel() - 2 * world_size * digits
+    for slot, value in ((rank, samples), (world_size + rank, backlog)):
+        for i, digit in enumerate(_digits(value, base, digits)):
+            flat[n + slot * digits + i] = digit
     out = allreduce(flat)
     if out is not None:
         flat = out
-    counts = [int(round(float(c))) for c in flat[n : n + world_size].tolist()]
-    backlogs = [int(round(float(c))) for c in flat[n + world_size :].tolist()]
+    tail = flat[n:].tolist()
+    values = [_undigits(tail[k * digits : (k + 1) * digits], base) for k in range(2 * world_size)]
+    counts, backlogs = values[:world_size], values[world_size:]
     total = sum(counts)
     if total > 0:
         flat[:n].mul_(planned_global_batch / total)
