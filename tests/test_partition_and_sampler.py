@@ -166,3 +166,95 @@ def test_a_negative_resume_step_is_refused_by_name():
     s = HeteroBatchSampler(20, [3, 2], 0, shuffle=False)
     with pytest.raises(ValueError, match=r"`steps_done`=-2 .*HINT"):
         s.load_state_dict(s.state_dict(steps_done=-2))
+
+
+def test_a_whole_epoch_plan_set_while_iterating_applies_from_the_next_epoch():
+    """``set_plan(plan)`` (no ``from_step``) during an epoch's iteration leaves the running epoch's steps as they
+    were (it used to cut them with the new counts but the old stride: samples 10 and 11 were lost)."""
+    n = 12
+    samplers = [HeteroBatchSampler(n, [3, 3], r, shuffle=False) for r in range(2)]
+    iters = [iter(s) for s in samplers]
+    seen = [next(it) for it in iters]  # step 0 drawn on both ranks
+    for s in samplers:
+        s.set_plan([2, 2])
+        assert len(s) == 2 and s.step_counts(1) == (3, 3) and s.plan == (2, 2)
+    seen += [b for it in iters for b in it]
+    assert sorted(i for b in seen for i in b) == list(range(n)) and [len(b) for b in seen] == [3] * 4
+    samplers[0].set_epoch(1)  # the next epoch runs the new plan
+    samplers[1].set_epoch(1)
+    nxt = [list(s) for s in samplers]
+    assert [len(b) for b in nxt] == [3, 3] and sorted(i for b in nxt for x in b for i in x) == list(range(n))
+    # a new iteration (without set_epoch) adopts it too; the state keeps the running epoch's plan and the next one
+    s = HeteroBatchSampler(n, [3, 3], 0, shuffle=False)
+    it = iter(s)
+    next(it)
+    s.set_plan([1, 3])
+    state = s.state_dict(steps_done=1)
+    assert state["plan"] == [3, 3] and state["next_plan"] == [1, 3] and next(it) == [6, 7, 8]
+    assert list(s) == [[0], [4], [8]]
+    fresh = HeteroBatchSampler(n, [3, 3], 0, shuffle=False)
+    fresh.load_state_dict(state)
+    assert list(fresh) == [[6, 7, 8]]  # the resumed epoch keeps its plan ...
+    fresh.set_epoch(1)
+    assert fresh.sampler.plan == (1, 3) and len(fresh) == 3  # ... and the next one runs the plan set for it
+
+
+def test_from_step_zero_is_a_mid_epoch_change_with_its_checks():
+    s = HeteroBatchSampler(12, [3, 3], 0, shuffle=False)
+    it = iter(s)
+    next(it)
+    with pytest.raises(ValueError, match=r"global batch 6.*HINT"):
+        s.set_plan([2, 2], from_step=0)  # used to pass as a whole-epoch plan, mid-iteration
+    s.set_plan([4, 2], from_step=0)
+    assert s.plan_changes == [(0, (4, 2))] and s.step_counts(1) == (4, 2) and next(it) == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match=r"from_step.*HINT"):
+        s.set_plan([4, 2], from_step=-1)
+
+
+@pytest.mark.parametrize("n, plan", [(10, [3, 3]), (101, [7, 3, 2]), (37, [4, 4, 4])])
+def test_locality_with_drop_last_drops_other_samples_every_epoch(n, plan):
+    """With locality, shuffle and drop_last no sample is left out for good (the run-fixed order used to drop the
+    same tail every epoch), each rank stays within its own region, and every epoch's guarantees hold."""
+    layout = epoch_layout(n, plan, drop_last=True)
+    visited, owned = set(), [set() for _ in plan]
+    for epoch in range(60):
+        shards = epoch_shards(n, plan, epoch=epoch, seed=2, shuffle=True, drop_last=True, locality=True)
+        assert [len(s) for s in shards] == layout.shard_sizes()
+        flat = np.concatenate(shards).tolist()
+        assert len(flat) == len(set(flat))  # no repeats within an epoch
+        visited |= set(flat)
+        for r, s in enumerate(shards):
+            owned[r] |= set(s.tolist())
+    assert visited == set(range(n))
+    assert all(not (a & b) for a, b in itertools.combinations(owned, 2))  # locality: disjoint regions
+    assert all(len(o) - size <= b for o, size, b in zip(owned, layout.shard_sizes(), plan))  # region: < 1 batch more
+    # without shuffle the drop is fixed, as DistributedSampler(shuffle=False) drops the same tail
+    fixed = [epoch_shards(n, plan, epoch=e, shuffle=False, drop_last=True, locality=True) for e in (0, 1)]
+    assert all((a == b).all() for a, b in zip(*fixed))
+
+
+BAD_PLANS = [([2.9, 3.7], r"plan\[0\]` must be an int"), (["3", "3"], r"plan\[0\]` must be an int"),
+             ([True, True], r"plan\[0\]` must be an int"), ([3, 0], r"plan\[1\]` must be >= 1"),
+             ([], "every rank needs a batch size"), ("33", "sequence of per-rank batch sizes")]
+
+
+@pytest.mark.parametrize("plan, message", BAD_PLANS)
+def test_plans_are_validated_not_coerced(plan, message):
+    from hetero_plugins.balancing.sampler import HeteroInferenceBatchSampler
+
+    makers = [lambda: HeteroDistributedSampler(10, plan, 0), lambda: HeteroBatchSampler(12, plan, 0),
+              lambda: HeteroBatchSampler(12, [3, 3], 0).set_plan(plan),
+              lambda: HeteroBatchSampler(12, [3, 3], 0).set_plan(plan, from_step=1),
+              lambda: epoch_layout(10, plan), lambda: HeteroInferenceBatchSampler(range(10), plan, 0)]
+    for make in makers:
+        with pytest.raises(ValueError, match=f"{message}.*HINT"):
+            make()
+
+
+def test_numpy_plans_are_accepted_and_plan_errors_give_a_hint():
+    assert HeteroDistributedSampler(10, np.array([3, 2]), 1).plan == (3, 2)
+    s = HeteroBatchSampler(12, [np.int64(3), np.int32(3)], 0)
+    s.set_plan(np.array([4, 2], dtype=np.int64), from_step=1)
+    assert s.plan == (4, 2) and all(type(b) is int for b in s.plan)
+    with pytest.raises(ValueError, match=r"`rank`=2 is out of range.*HINT"):
+        HeteroDistributedSampler(10, [3, 3], 2)

@@ -12,12 +12,16 @@ those of stock DDP for any plan. With ``locality=True``, rank i's shard is a con
 fixed for the run (a seeded permutation, or the identity without shuffling) and each rank reshuffles only
 within its own shard every epoch; when the plan changes, shard boundaries move a little and each rank keeps
 as much of its previous shard as a contiguous split allows (LOFT, Liu et al., IEEE TCC 2024: data-fetch
-locality dominates on distributed datasets).
+locality dominates on distributed datasets). With ``locality=True``, ``shuffle`` and ``drop_last``, each rank
+owns a contiguous region of that fixed order sized in proportion to the plan and drops the samples its epoch's
+reshuffle puts last, so the dropped samples change every epoch (as ``DistributedSampler`` with ``shuffle``
+drops different ones per epoch) while the rank keeps its region; without ``shuffle`` the epoch's tail is
+dropped, the same samples every epoch, as ``DistributedSampler(shuffle=False)`` does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +30,26 @@ import torch
 from hetero_plugins._validation import check_int
 
 __all__ = ["EpochLayout", "contiguous_split", "ddp_order", "epoch_layout", "epoch_shards", "split_remainder"]
+
+
+PLAN_HINT = "pass one int batch size >= 1 per rank, in global-rank order, e.g. plan=[32, 32] for two ranks."
+
+
+def check_plan(plan: Sequence[int], hint: str = PLAN_HINT) -> tuple[int, ...]:
+    """``plan`` as a non-empty tuple of ints (Python or NumPy ones), each >= 1, else ``ValueError``: a float,
+    string or bool entry is refused, not truncated.
+
+    Example::
+
+        >>> check_plan([3, 1])
+        (3, 1)
+    """
+    if isinstance(plan, (str, bytes)) or not isinstance(plan, Iterable):
+        raise ValueError(f"`plan` must be a sequence of per-rank batch sizes, got {plan!r}. HINT: {hint}")
+    plan = tuple(check_int(f"plan[{i}]", b, minimum=1, hint=hint) for i, b in enumerate(plan))
+    if not plan:
+        raise ValueError(f"every rank needs a batch size >= 1, got plan {list(plan)}. HINT: {hint}")
+    return plan
 
 
 def split_remainder(remainder: int, plan: Sequence[int]) -> list[int]:
@@ -97,9 +121,7 @@ def epoch_layout(
     rank without a sample.
     """
     check_int("num_samples", num_samples, minimum=1)
-    plan = tuple(int(b) for b in plan)
-    if not plan or min(plan) < 1:
-        raise ValueError(f"every rank needs a batch size >= 1, got plan {list(plan)}.")
+    plan = check_plan(plan)
     world, global_batch = len(plan), sum(plan)
     padding = (-num_samples) % world if pad_to_world_size else 0
     full, rem = divmod(num_samples + padding, global_batch)
@@ -152,7 +174,9 @@ def epoch_shards(
     ``torch.randperm(seed + epoch)``, the same padding) and step k's samples over all ranks are the k-th
     global batch of that order, whatever the plan: the union of every step, hence every SGD update, is the
     one stock DDP makes; only who computes which part changes. With ``locality=True`` each rank keeps a
-    contiguous shard of a fixed seeded order and reshuffles within it every epoch (LOFT).
+    contiguous shard of a fixed seeded order and reshuffles within it every epoch (LOFT); with ``shuffle`` and
+    ``drop_last`` too, its shard is a region of that order sized in proportion to the plan, cut after the
+    epoch's reshuffle, so that which samples are dropped changes every epoch (none is left out for good).
 
     Example::
 
@@ -166,13 +190,20 @@ def epoch_shards(
     if locality:
         base = np.random.default_rng([seed]).permutation(num_samples) if shuffle else np.arange(num_samples)
         order = _padded(base.astype(np.int64), layout.padding)
-        bounds = np.concatenate([[0], np.cumsum(layout.shard_sizes())])
+        sizes = layout.shard_sizes()
+        if shuffle and drop_last:
+            # Each rank's region holds at least its shard (no padding copy unless a global batch needs one); the
+            # samples it drops are those the epoch's reshuffle puts last, so they change from epoch to epoch.
+            regions = contiguous_split(max(num_samples, sum(sizes)), layout.plan)
+        else:
+            bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+            regions = [(int(bounds[r]), int(bounds[r + 1])) for r in range(len(sizes))]
         shards = []
-        for r in range(len(layout.plan)):
-            shard = order[bounds[r] : bounds[r + 1]].copy()
+        for r, (lo, hi) in enumerate(regions):
+            shard = order[lo:hi].copy()
             if shuffle:
                 np.random.default_rng([seed, epoch, r]).shuffle(shard)
-            shards.append(shard)
+            shards.append(shard[: sizes[r]])
         return shards
     order = ddp_order(num_samples, layout.padding, epoch, seed, shuffle)
     global_batch = offsets[-1]
@@ -213,7 +244,7 @@ def segment_layout(num_samples: int, plan: Sequence[int], order: Sequence[int] |
     """
     if order is None:
         return epoch_layout(num_samples, plan, drop_last)
-    plan = tuple(int(b) for b in plan)
+    plan = check_plan(plan)
     if len(order) == 0:
         return EpochLayout(plan, 0, (), 0)
     layout = epoch_layout(len(order), plan, drop_last=False, pad_to_world_size=False)

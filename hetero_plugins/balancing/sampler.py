@@ -10,7 +10,9 @@ from torch.utils.data import Sampler
 
 from hetero_plugins._validation import check_int
 from hetero_plugins.balancing.partition import (
+    PLAN_HINT,
     EpochLayout,
+    check_plan,
     contiguous_split,
     ddp_order,
     epoch_layout,
@@ -36,7 +38,9 @@ class HeteroDistributedSampler(Sampler[int]):
         seed: shared by all ranks.
         drop_last: drop the last partial global batch instead of sharing it.
         locality: keep each rank's shard across epochs and plan changes (LOFT); by default the step unions
-            are exactly ``DistributedSampler``'s (see :mod:`hetero_plugins.balancing.partition`).
+            are exactly ``DistributedSampler``'s (see :mod:`hetero_plugins.balancing.partition`). With
+            ``shuffle`` and ``drop_last`` the samples dropped change every epoch; without ``shuffle`` the same
+            tail is dropped every epoch, as ``DistributedSampler(shuffle=False)`` does.
         pad_to_world_size: pad the epoch to a multiple of the world size as ``DistributedSampler`` does
             (training); ``False`` pads only where a rank would get no sample (evaluation: exact metrics).
 
@@ -75,11 +79,18 @@ class HeteroDistributedSampler(Sampler[int]):
 
     def set_plan(self, plan: Sequence[int]) -> None:
         """Adopt new per-rank batch sizes; takes effect at the next ``iter()``."""
-        plan = tuple(int(b) for b in plan)
+        self.plan = self.checked_plan(plan)
+
+    def checked_plan(self, plan: Sequence[int]) -> tuple[int, ...]:
+        """``plan`` as a tuple of ints if this sampler can adopt it, else ``ValueError`` (nothing is changed)."""
+        plan = check_plan(plan)
         if self.rank >= len(plan):
-            raise ValueError(f"`rank`={self.rank} is out of range for a plan of {len(plan)} ranks: {list(plan)}.")
+            raise ValueError(
+                f"`rank`={self.rank} is out of range for a plan of {len(plan)} ranks: {list(plan)}. HINT: pass one "
+                f"batch size per rank (the plan's length is the world size, so at least {self.rank + 1} here)."
+            )
         epoch_layout(self.num_samples, plan, self.drop_last, self.pad_to_world_size)  # validates
-        self.plan = plan
+        return plan
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -119,6 +130,8 @@ class HeteroBatchSampler(Sampler[list[int]]):
     alone, so the plan may change in the middle of an epoch without losing or repeating a sample:
     ``set_plan(plan, from_step=k)`` applies from step k on. Batches are drawn lazily, step by step, so a
     change reaches every step that the loader has not drawn yet (keep k beyond the loader's prefetch).
+    ``set_plan(plan)`` sets a whole epoch's plan: set while an epoch is being iterated, it applies from the next
+    :meth:`set_epoch` or iteration, and the running iteration keeps the steps it started with.
 
     Resuming mid-epoch: :meth:`state_dict` holds the epoch, its plans and the steps done; after
     :meth:`load_state_dict` the next iteration over that epoch starts at the first step not done, so a resumed
@@ -150,7 +163,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self.sampler = HeteroDistributedSampler(
             num_samples, plan, rank, shuffle, seed, drop_last, locality, pad_to_world_size
         )
+        # The epoch's mid-epoch changes: changed in place within an epoch, a new list for each epoch, so that an
+        # iteration keeps its own epoch's list.
         self._changes: list[tuple[int, tuple[int, ...]]] = []
+        self._next: tuple[int, ...] | None = None  # a whole-epoch plan set while an epoch was being iterated
+        self._running: object | None = None  # the token of the iteration in progress
         self._resume: tuple[int, int] | None = None  # (epoch, first step) of a restored mid-epoch position
         self.steps_drawn = 0
 
@@ -159,7 +176,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
 
     @property
     def plan(self) -> tuple[int, ...]:
-        """The plan of the epoch's last steps (the latest plan set)."""
+        """The latest plan set: the next epoch's if one waits for the running iteration to end, else the plan of
+        this epoch's last steps."""
+        if self._next is not None:
+            return self._next
         return self._changes[-1][1] if self._changes else self.sampler.plan
 
     @property
@@ -172,27 +192,48 @@ class HeteroBatchSampler(Sampler[list[int]]):
         return list(self._changes)
 
     def set_plan(self, plan: Sequence[int], from_step: int | None = None) -> None:
-        """Adopt ``plan`` for the whole next epoch (``from_step=None``) or from step ``from_step`` of this one."""
-        if not from_step:
-            self.sampler.set_plan(plan)
-            self._changes = []
+        """Adopt ``plan`` for the whole next epoch (``from_step=None``) or from step ``from_step`` of this one.
+
+        A whole-epoch plan set while an epoch is being iterated waits for the next :meth:`set_epoch` or
+        iteration; until then the running iteration, ``len`` and :meth:`step_counts` keep the current epoch's
+        steps. ``from_step=0`` changes the current epoch from its first step, under the same checks as any
+        ``from_step`` (the same ranks and global batch).
+        """
+        if from_step is None:
+            plan = self.sampler.checked_plan(plan)
+            if self._running is not None:
+                self._next = plan
+            else:
+                self._adopt(plan)
             return
-        plan = tuple(int(b) for b in plan)
+        check_int("from_step", from_step, minimum=0, hint="pass the first step of the epoch the plan applies to, "
+                  "or from_step=None for a whole-epoch plan.")
+        plan = check_plan(plan)
         if self.sampler.locality:
-            raise ValueError("`from_step` needs locality=False: with locality=True a plan applies to whole epochs.")
-        if len(plan) != len(self.sampler.plan) or sum(plan) != sum(self.sampler.plan) or min(plan) < 1:
+            raise ValueError("`from_step` needs locality=False: with locality=True a plan applies to whole epochs. "
+                             "HINT: call set_plan(plan) without from_step, or use locality=False.")
+        current = self.sampler.plan
+        if len(plan) != len(current) or sum(plan) != sum(current):
             raise ValueError(
-                f"a mid-epoch plan must keep {len(self.sampler.plan)} ranks and the global batch "
-                f"{sum(self.sampler.plan)}, each rank >= 1; got {list(plan)}."
+                f"a mid-epoch plan must keep {len(current)} ranks and the global batch {sum(current)}, each rank "
+                f">= 1; got {list(plan)}. HINT: spread {sum(current)} samples over {len(current)} ranks, or set a "
+                "plan of another global batch for whole epochs with set_plan(plan) (from_step=None)."
             )
-        check_int("from_step", from_step, minimum=1)
-        self._changes = [c for c in self._changes if c[0] < from_step] + [(from_step, plan)]
+        self._changes[:] = [c for c in self._changes if c[0] < from_step] + [(from_step, plan)]
+
+    def _adopt(self, plan: Sequence[int]) -> None:
+        """Make ``plan`` the whole current epoch's plan (a new epoch's list of changes)."""
+        self.sampler.set_plan(plan)
+        self._changes = []
+        self._next = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``; the latest plan becomes the whole epoch's plan."""
-        if self._changes:
-            self.sampler.set_plan(self._changes[-1][1])
-            self._changes = []
+        """Start epoch ``epoch``: its plan is the whole-epoch plan set last while an epoch ran, else the latest
+        plan of the epoch before."""
+        if self._next is not None:
+            self._adopt(self._next)
+        elif self._changes:
+            self._adopt(self._changes[-1][1])
         self.sampler.set_epoch(epoch)
 
     @property
@@ -205,11 +246,14 @@ class HeteroBatchSampler(Sampler[list[int]]):
         """The epoch, its plans and ``steps_done`` (default: the batches this sampler has yielded in the epoch;
         a loader that draws ahead passes the steps it has delivered)."""
         s = self.sampler
-        return {
+        state = {
             "epoch": s.epoch, "num_samples": s.num_samples, "plan": list(s.plan),
             "plan_changes": [[k, list(p)] for k, p in self._changes],
             "steps_done": self.steps_drawn if steps_done is None else int(steps_done),
         }
+        if self._next is not None:
+            state["next_plan"] = list(self._next)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: the next iteration over its epoch starts at its first step not done.
@@ -229,6 +273,8 @@ class HeteroBatchSampler(Sampler[list[int]]):
         if same:
             s.set_plan(plan)
             self._changes = [(int(k), tuple(int(b) for b in p)) for k, p in state.get("plan_changes", [])]
+            nxt = state.get("next_plan")
+            self._next = None if nxt is None else s.checked_plan(nxt)
         elif 0 < steps < s.layout.steps:
             warnings.warn(
                 f"HeteroBatchSampler: the saved position (epoch {state['epoch']}, step {steps}) is for "
@@ -242,20 +288,12 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self._resume = (s.epoch, steps)
 
     def plan_at(self, step: int) -> tuple[int, ...]:
-        plan = self.sampler.plan
-        for start, p in self._changes:
-            if start <= step:
-                plan = p
-        return plan
+        """The plan of step ``step`` of the current epoch."""
+        return _plan_at(self.sampler.plan, self._changes, step)
 
     def step_counts(self, step: int) -> tuple[int, ...]:
-        layout = self.sampler.layout
-        if step >= layout.steps:
-            raise IndexError(f"step {step} is out of range for an epoch of {layout.steps} steps")
-        plan = self.plan_at(step)
-        if step < layout.full_steps:
-            return plan
-        return tuple(split_remainder(sum(layout.last_counts), plan))
+        """All ranks' sample counts of step ``step`` of the current epoch."""
+        return _step_counts(self.sampler.layout, self.plan_at(step), step)
 
     def batch_indices(self, step: int, rank: int | None = None) -> list[int]:
         """The sample indices of ``rank``'s batch at ``step`` (default this rank), under the plans set so far.
@@ -274,28 +312,55 @@ class HeteroBatchSampler(Sampler[list[int]]):
         return order[lo : lo + counts[rank]].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Runs when the first batch is drawn, after the loop set the epoch. A whole-epoch plan set while the last
+        # iteration ran applies now, unless this iteration resumes a restored mid-epoch position.
         s = self.sampler
-        first = self.start_step  # read when the first batch is drawn, after the loop set the epoch
+        resume = self._resume
+        if self._next is not None and (resume is None or resume[0] != s.epoch):
+            self._adopt(self._next)
+        first = self.start_step
         self._resume = None
         self.steps_drawn = first
-        if s.locality:
-            shard = list(s)
-            b = s.batch_size
-            for start in range(first * b, len(shard), b):
+        token = self._running = object()
+        try:
+            if s.locality:
+                shard = list(s)
+                b = s.batch_size
+                for start in range(first * b, len(shard), b):
+                    self.steps_drawn += 1
+                    yield shard[start : start + b]
+                return
+            layout, base, changes, rank = s.layout, s.plan, self._changes, s.rank
+            order = ddp_order(s.num_samples, layout.padding, s.epoch, s.seed, s.shuffle)
+            global_batch = sum(layout.plan)
+            for k in range(first, layout.steps):
+                # read now: a mid-epoch change made while iterating applies to later steps of this epoch
+                counts = _step_counts(layout, _plan_at(base, changes, k), k)
+                lo = k * global_batch + sum(counts[:rank])
                 self.steps_drawn += 1
-                yield shard[start : start + b]
-            return
-        layout = s.layout
-        order = ddp_order(s.num_samples, layout.padding, s.epoch, s.seed, s.shuffle)
-        global_batch = sum(layout.plan)
-        for k in range(first, layout.steps):
-            counts = self.step_counts(k)  # read now: a change made while iterating applies to later steps
-            lo = k * global_batch + sum(counts[: s.rank])
-            self.steps_drawn += 1
-            yield order[lo : lo + counts[s.rank]].tolist()
+                yield order[lo : lo + counts[rank]].tolist()
+        finally:
+            if self._running is token:
+                self._running = None
 
     def __len__(self) -> int:
         return self.sampler.layout.steps
+
+
+def _plan_at(base: tuple[int, ...], changes: Sequence[tuple[int, tuple[int, ...]]], step: int) -> tuple[int, ...]:
+    plan = base
+    for start, p in changes:
+        if start <= step:
+            plan = p
+    return plan
+
+
+def _step_counts(layout: EpochLayout, plan: tuple[int, ...], step: int) -> tuple[int, ...]:
+    if step >= layout.steps:
+        raise IndexError(f"step {step} is out of range for an epoch of {layout.steps} steps")
+    if step < layout.full_steps:
+        return plan
+    return tuple(split_remainder(sum(layout.last_counts), plan))
 
 
 class HeteroInferenceBatchSampler(Sampler[list[int]]):
@@ -311,10 +376,11 @@ class HeteroInferenceBatchSampler(Sampler[list[int]]):
 
     def __init__(self, order: Sequence[int], plan: Sequence[int], rank: int) -> None:
         self.order = list(order)
-        self.plan = tuple(int(b) for b in plan)
+        self.plan = check_plan(plan)
         self.rank = check_int("rank", rank, minimum=0)
-        if self.rank >= len(self.plan) or min(self.plan) < 1:
-            raise ValueError(f"`plan`={list(self.plan)} must hold a batch size >= 1 for rank {self.rank}.")
+        if self.rank >= len(self.plan):
+            raise ValueError(f"`plan`={list(self.plan)} must hold a batch size >= 1 for rank {self.rank}. "
+                             f"HINT: {PLAN_HINT}")
         self.start, self.stop = contiguous_split(len(self.order), self.plan)[self.rank]
 
     def __iter__(self) -> Iterator[list[int]]:
