@@ -290,6 +290,14 @@ class BatchBalancer(Callback):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loaders = trainer.train_dataloader
+        if isinstance(loaders, (list, tuple, dict)) and len(loaders) > 1:
+            # Each loader got the first one's plan and the epoch's record cannot hold two: stop before a step.
+            raise ValueError(
+                f"BatchBalancer balances one train DataLoader; this fit has {len(loaders)}. HINT: combine them into "
+                "one dataset (e.g. torch.utils.data.ConcatDataset) in a single DataLoader, or train without the "
+                "balancer (strategy='ddp' and no BatchBalancer)."
+            )
         # A fit resumed from a mid-epoch checkpoint continues that epoch without an epoch start: the balanced
         # sampler restored its plans and position; the epoch's record starts from them.
         if not trainer.fit_loop.restarted_mid_epoch:
@@ -309,6 +317,13 @@ class BatchBalancer(Callback):
         if self._resumed_relocation is not None and planner is not None:
             adopt_relocation(trainer, self._coordinate(trainer), self._resumed_relocation)
             self._resumed_relocation = None
+        if self.options.balance_eval and planner is not None:
+            # Lightning prepares the validation loaders once, at the first validation (under an equal plan):
+            # every epoch hands them the current plan's shares.
+            vals = trainer.val_dataloaders
+            for val in vals.values() if isinstance(vals, dict) else vals if isinstance(vals, (list, tuple)) else [vals]:
+                if isinstance(val, DataLoader):
+                    self.loaders.install(val, trainer, train=False)
         dl = trainer.train_dataloader
         own = self.own_batch_sampler(trainer)
         applied = False

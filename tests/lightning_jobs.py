@@ -111,6 +111,7 @@ class Report(Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
         self.batches: dict[int, list[int]] = {}
+        self.val_batches: dict[int, list[int]] = {}  # validation inside fit, per epoch
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Weights in memory shared with other processes (a fork server's ranks get them so; each must own a copy).
@@ -118,6 +119,11 @@ class Report(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.batches.setdefault(trainer.current_epoch, []).append(len(batch[1]))
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if trainer.state.fn == "fit":
+            self.val_batches.setdefault(trainer.current_epoch, []).append(len(batch[1]))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         balancer = next((cb for cb in trainer.callbacks if type(cb).__name__ == "BatchBalancer"), None)
@@ -127,6 +133,7 @@ class Report(Callback):
             "batch_plan": balancer.batch_plan if balancer else None,
             "plan_history": balancer.plan_history if balancer else None,
             "batches": self.batches,
+            "val_batches": self.val_batches,
             "hook_calls": hook.calls if hook is not None else 0,
             "strategy_plan": getattr(trainer.strategy, "batch_plan", None),
             "train_batches": trainer.num_training_batches,

@@ -420,3 +420,14 @@ def test_every_shared_check_names_the_argument_the_value_and_a_fix():
     # A caller's own hint replaces the generic one.
     with pytest.raises(ValueError, match=r"HINT: use None to re-plan at epoch ends only\.$"):
         v.check_int("replan_every", 0, minimum=1, hint="use None to re-plan at epoch ends only.")
+
+
+def test_a_mid_epoch_replan_interval_is_refused_with_locality():
+    # With locality each rank keeps its shard for the epoch: an explicit interval was once ignored without a word.
+    from hetero_plugins.strategies import HeteroDDPStrategy
+
+    for make in (lambda: BalancingOptions(locality=True, replan_every=2),
+                 lambda: HeteroDDPStrategy(locality=True, replan_every=2)):
+        with pytest.raises(ValueError, match=r"`replan_every`=2 cannot apply with locality=True.*HINT"):
+            make()
+    assert BalancingOptions(locality=True).replan_every == 5 and BalancingOptions(locality=True, replan_every=None)

@@ -105,6 +105,10 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
         acc = (ref(val.tensors[0]).argmax(1) == val.tensors[1]).double().mean().item()
     assert t.callback_metrics["val_acc"].item() == pytest.approx(acc, abs=1e-12)
     assert {rep["plan_history"][-1]["next_batch_sizes"][rep["rank"]] for rep in reports} != {16}
+    # Validation inside fit follows each epoch's plan (Lightning prepares its loader once, under the equal plan).
+    for e in (1, 2):
+        shares = [rep["val_batches"][str(e)][0] for rep in reports]
+        assert shares[1] < 16 < shares[0] and sum(shares) == 32, (e, shares)
 
 
 def test_a_rank_waiting_for_its_batches_gets_fewer_samples(tmp_path):
@@ -292,3 +296,25 @@ def test_one_rank_beside_the_default_strategy_runs_without_a_rebalancing_warning
         t.fit(DigitsMLP(batch_size=16))
     assert not [w for w in caught if "cannot rebalance" in str(w.message)]
     assert [e["batch_sizes"] for e in balancer.plan_history] == [[16]]
+
+
+class _TwoLoaders(DigitsMLP):
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        data = digits_datasets(dtype=torch.float64)[0]
+        return [DataLoader(data, batch_size=4), DataLoader(data, batch_size=8)]
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch[0], batch_idx)
+
+
+@pytest.mark.parametrize("strategy, callbacks", [("hetero_ddp", lambda: []), ("ddp", lambda: [BatchBalancer()])])
+def test_several_train_loaders_are_refused_before_the_first_step(tmp_path, strategy, callbacks):
+    # Each loader used to get the first one's plan (the second ran 4 samples, not 8), then the epoch end failed.
+    t = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks(), max_epochs=1,
+                   limit_train_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                   default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"BatchBalancer balances one train DataLoader; this fit has 2.*HINT"):
+        t.fit(_TwoLoaders(batch_size=16))

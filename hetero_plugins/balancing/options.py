@@ -209,6 +209,10 @@ class BalancingOptions:
         self._set("log_metrics", _flag("log_metrics", self.log_metrics, "False logs no hetero/* metrics"))
         if self.replan_every is not None:
             check_int("replan_every", self.replan_every, minimum=1, hint="use None to replan only at epoch ends")
+        if self.locality and self.replan_every not in (None, BalancingOptions.replan_every):
+            raise ValueError(f"`replan_every`={self.replan_every!r} cannot apply with locality=True: each rank keeps "
+                             "its shard for a whole epoch, so plans change at epoch ends only. HINT: leave "
+                             "`replan_every` out (or None), or use locality=False for mid-epoch re-plans.")
         self._set("memory_headroom", check_float("memory_headroom", self.memory_headroom, minimum=0.0, maximum=1.0,
                                                  strict_minimum=True, hint="e.g. 0.9"))
         resolve_cluster_source(self.cluster)  # checks a given source; the environment is read by the user
