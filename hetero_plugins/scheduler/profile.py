@@ -317,11 +317,11 @@ def profile_main(argv: list[str] | None = None) -> int:
     """Measure training workloads' slowdowns beside co-runners on this machine and write the JSON table."""
     from hetero_plugins.scheduler import measured
 
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.source is not None and not os.path.isfile(args.source):
-        parser.error(f"--from {args.source!r} is not a file. HINT: write a table with `hetero-plugins "
-                     "profile-interference --out FILE`, or leave --from out to measure this machine.")
+        print(f"error: --from {args.source!r} is not a file. HINT: write a table with `hetero-plugins "
+              "profile-interference --out FILE`, or leave --from out to measure this machine.", file=sys.stderr)
+        return 2
     if args.quiet:
         set_quiet(True)
     try:  # SIGTERM runs the clean-up of the co-runners too (only the main thread may set handlers)
