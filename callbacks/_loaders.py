@@ -181,6 +181,11 @@ class BalancedLoaders:
         )
         hb.set_epoch(trainer.current_epoch)
         self.train_sampler = hb
+        if type(dl) not in (DataLoader, ResumableLoader):
+            self.warn_once("subclass", (
+                f"BatchBalancer: the train loader is a {type(dl).__name__}; it is rebuilt as a plain DataLoader with "
+                "the balanced batch sampler, so methods your subclass overrides (e.g. __iter__) do not run. HINT: "
+                "move that logic into the Dataset or a collate_fn."))
         return loader_like(dl, hb, resumable=True)
 
     def _predict_loader(self, dl: DataLoader, trainer: pl.Trainer) -> DataLoader:

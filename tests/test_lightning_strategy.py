@@ -318,3 +318,20 @@ def test_several_train_loaders_are_refused_before_the_first_step(tmp_path, strat
                    default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"BatchBalancer balances one train DataLoader; this fit has 2.*HINT"):
         t.fit(_TwoLoaders(batch_size=16))
+
+
+def test_a_train_loader_subclass_is_named_when_it_is_rebuilt(tmp_path):
+    from torch.utils.data import DataLoader
+
+    class TaggingLoader(DataLoader):
+        pass
+
+    class Module(DigitsMLP):
+        def train_dataloader(self):
+            return TaggingLoader(digits_datasets(dtype=torch.float64)[0], batch_size=16, shuffle=True)
+
+    t = pl.Trainer(accelerator="cpu", devices=1, strategy="hetero_ddp", max_epochs=1, limit_train_batches=2,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="the train loader is a TaggingLoader.*HINT: move that logic"):
+        t.fit(Module(batch_size=16))
