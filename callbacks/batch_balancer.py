@@ -183,7 +183,7 @@ class BatchBalancer(Callback):
     def attach_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel, world_size: int) -> None:
         """Register the sample-weighted all-reduce hook on ``ddp_model`` (once per DDP wrapper: a second ``fit``
         wraps the module again, and the new wrapper needs the hook too)."""
-        if self._hook_state is not None and self._hooked is not None and self._hooked() is ddp_model:
+        if self._hooked is not None and self._hooked() is ddp_model:
             return
         if self._hook_state is None:
             self._hook_state = WeightedAllreduceState(1.0 / world_size, timer=self.timer)
@@ -277,11 +277,11 @@ class BatchBalancer(Callback):
             problem, self._resumed_relocation = comm.broadcast_object(found, name="hetero_plugins.resumed")
             if problem is not None:
                 raise ValueError(problem)
-        model = trainer.strategy.model
-        if self._external_weighting is not None or (self._hooked is not None and self._hooked() is model):
+        if self._external_weighting is not None:
             return
+        model = trainer.strategy.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            self.attach_ddp(model, trainer.world_size)
+            self.attach_ddp(model, trainer.world_size)  # a wrapper the strategy hooked already is left as it is
         elif trainer.world_size > 1:
             raise RuntimeError(
                 f"BatchBalancer needs gradients it can weight, but the strategy {type(trainer.strategy).__name__} "

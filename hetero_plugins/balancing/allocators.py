@@ -86,6 +86,11 @@ class Bounds:
     def world_size(self) -> int:
         return len(self.min_batch)
 
+    def admits(self, plan: Sequence[int]) -> bool:
+        """Whether ``plan`` has one batch per rank, each within that rank's bounds."""
+        return len(plan) == self.world_size and all(
+            lo <= b <= hi for b, lo, hi in zip(plan, self.min_batch, self.max_batch))
+
     def check_feasible(self, global_batch: int) -> None:
         """Raise ``ValueError`` if no split of ``global_batch`` satisfies these bounds."""
         check_int("global_batch", global_batch, minimum=1)
@@ -252,8 +257,7 @@ class Allocator(ABC):
     def _usable(current: Sequence[int] | None, global_batch: int, bounds: Bounds) -> bool:
         """Whether ``current`` is a plan that may be kept: one size per rank, summing to ``global_batch``, each
         within the rank's bounds (a cap lowered since, e.g. a memory limit, rules the old plan out)."""
-        return (current is not None and len(current) == bounds.world_size and sum(current) == global_batch
-                and all(lo <= b <= hi for b, lo, hi in zip(current, bounds.min_batch, bounds.max_batch)))
+        return current is not None and sum(current) == global_batch and bounds.admits(current)
 
     def _keep_or_equal(self, global_batch: int, bounds: Bounds, current: Sequence[int] | None) -> list[int]:
         if self._usable(current, global_batch, bounds):

@@ -46,10 +46,10 @@ class MoveDamping:
         where the current plan lies outside ``bounds``: a new memory cap admits any plan within it)."""
         if self.max_change_factor is None:
             return bounds
+        if not bounds.admits(current):
+            return bounds
         cur = np.asarray(current, dtype=np.float64)
         lo, hi = np.asarray(bounds.min_batch), np.asarray(bounds.max_batch)
-        if not np.all((lo <= cur) & (cur <= hi)):
-            return bounds
         t_lo = np.maximum(lo, np.minimum(cur - 1, np.ceil(cur / self.factor))).astype(np.int64)
         t_hi = np.minimum(hi, np.maximum(cur + 1, np.floor(cur * self.factor))).astype(np.int64)
         return Bounds(tuple(t_lo.tolist()), tuple(t_hi.tolist()))

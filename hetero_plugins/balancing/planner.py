@@ -493,8 +493,7 @@ class BalancePlanner:
         trust = self._extrapolation_bounds(self.damping.bounds(bounds, current), current)  # damping, extrapolation
         proposal = self._damp([int(b) for b in proposal], trust)
         t_cur, t_new = self.predict_step_time(current), self.predict_step_time(proposal)
-        cur = np.asarray(current)
-        out_of_bounds = bool(((cur < np.asarray(bounds.min_batch)) | (cur > np.asarray(bounds.max_batch))).any())
+        out_of_bounds = not bounds.admits(current)
         gain = (t_cur - t_new) / t_cur if math.isfinite(t_cur) and t_cur > 0 and math.isfinite(t_new) else 0.0
         sure = gain
         if self.noise_margin > 0 and gain > self.min_gain:
