@@ -43,6 +43,7 @@ from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
 from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 from hetero_plugins.horovod.exchange import HorovodExchange
+from hetero_plugins.horovod.gradient_sync import wait_for_gradients
 from hetero_plugins.horovod.weighting import GradientWeighting
 
 __all__ = ["HeteroHorovodStrategy", "HorovodEnvironment"]
@@ -150,7 +151,7 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         if "cluster_environment" in kwargs or "parallel_devices" in kwargs:
             raise ValueError(
                 "`cluster_environment` and `parallel_devices` come from Horovod in HeteroHorovodStrategy. "
-                "HINT: drop them; start the job with `horovodrun -np N python train.py`."
+                "HINT: drop them; start the job with `horovodrun -np N --gloo python train.py`."
             )
         super().__init__(cluster_environment=HorovodEnvironment(), **kwargs)
         self.balancer = BatchBalancer(options)
@@ -234,10 +235,9 @@ class HeteroHorovodStrategy(AggregationMixin, BalancedStrategyMixin, ParallelStr
         if trainer.training and not trainer.fit_loop._should_accumulate():
             bounded = self._bounded()
             for opt in self.optimizers:
-                handles = getattr(opt, "_handles", None)  # Horovod's {parameter: (handle, context)}
-                if isinstance(handles, dict):  # the gradient all-reduces end within the timeout, or name who hangs
-                    bounded.wait_all([h for h, _ in handles.values() if isinstance(h, int)],
-                                     "hvd.DistributedOptimizer's gradient allreduce")
+                # Every gradient all-reduce (also those synchronize() would start for parameters that got no
+                # gradient) ends within the timeout, or the error names who hangs; synchronize() then only collects.
+                wait_for_gradients(opt, bounded)
                 opt.synchronize()
 
     def _collectives(self) -> HorovodExchange:

@@ -10,6 +10,7 @@ through ``hvd.allreduce`` itself.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,9 @@ from hetero_plugins.aggregation import AggregationStats, Aggregator, StepContext
 from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
 from hetero_plugins.collectives import CollectiveError, is_transport_failure
 from hetero_plugins.horovod.runtime import horovod_torch as _hvd
+from hetero_plugins.horovod.carry import CARRY_KEY, carry_state, restore_carry
 from hetero_plugins.horovod.exchange import HorovodExchange
+from hetero_plugins.horovod.gradient_sync import GRADIENT_ALLREDUCE, wait_for_gradients
 from hetero_plugins.horovod.sampler import HeteroBatchSampler
 from hetero_plugins.horovod.weighting import GradientWeighting
 
@@ -218,6 +221,7 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         self._loop: str | None = None  # its loop over micro_batches(): None, "running", "done"
         self._backwards = 0  # backward passes since the last step
         self._backward_step: int | None = None  # the sampler's step of the last backward pass
+        self._saved_carry: dict[str, Any] | None = None  # deadline: carried micro-batches of a loaded state
         explicit = aggregator.options.explicit_sync
         self.weighting = GradientWeighting(
             aggregator.params,
@@ -313,20 +317,50 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         return f"AggregatingOptimizer(aggregation={self.aggregation.mode!r}, optimizer={self.optimizer!r})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients: to ``None`` (default), or, with ``set_to_none=False``, to zero tensors."""
+        inner = self.optimizer
         if self.aggregation.explicit_sync:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-        else:
-            self.optimizer.zero_grad()  # Horovod's own takes no argument
+            inner.zero_grad(set_to_none=set_to_none)
+        elif set_to_none or getattr(inner, "_handles", None):
+            inner.zero_grad()  # Horovod's own: no argument (None), and its error between backward and step
+        else:  # Horovod's zero_grad() always sets None: its base class (the wrapped optimizer's) zeroes in place
+            super(type(inner), inner).zero_grad(set_to_none=False)
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state (``pseudo_sync``: :meth:`flush` first; nothing in flight is saved)."""
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state (``pseudo_sync``: :meth:`flush` first; nothing in flight is saved).
+
+        ``"deadline"``: also this rank's carried micro-batches, their data included (see
+        :mod:`hetero_plugins.horovod.carry`), so a mid-epoch checkpoint resumes with them: save every rank's own
+        state with its ``sampler.state_dict()``; samples another rank carried are not in this one.
+        """
+        state = self.optimizer.state_dict()
+        if getattr(self.aggregator, "carry", None) is None:
+            return state  # a mode that carries nothing: no rank asked (an elastic restore may have no Horovod)
+        sampler = self.batch_sampler
+        carry = carry_state(self.aggregator, sampler.rank, sampler.world_size, sampler.epoch, sampler.steps_done)
+        return {**state, CARRY_KEY: carry}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped optimizer's state; a step in progress is forgotten (an elastic reset restores the
-        last commit this way, and every rank then starts the next step afresh)."""
-        self.optimizer.load_state_dict(state_dict)
+        last commit this way, and every rank then starts the next step afresh).
+
+        ``"deadline"``: what this rank carried no longer applies and is dropped; the carried micro-batches saved
+        in ``state_dict`` are put back in line at the next step if the rank, the world size and the sampler's
+        epoch and step are those they were saved at, else a ``RuntimeWarning`` says how many samples are lost.
+        """
+        state = dict(state_dict)
+        saved = state.pop(CARRY_KEY, None)
+        self.optimizer.load_state_dict(state)
         self._ctx, self._loop, self._backward_step, self._backwards = None, None, None, 0
+        carry = getattr(self.aggregator, "carry", None)
+        if carry is not None:
+            carry.clear()  # samples of steps after the saved state: the sampler hands them out again
+            self.aggregator.backlogs = None
+        elif saved and saved["micro_batches"]:
+            warnings.warn(f"the optimizer state loaded holds micro-batches carried under aggregation='deadline', which "
+                          f"aggregation={self.aggregation.mode!r} does not process. HINT: resume with the same "
+                          "aggregation, or from a checkpoint taken at an epoch end.", RuntimeWarning, stacklevel=2)
+        self._saved_carry = saved if carry is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError(
@@ -354,6 +388,11 @@ class AggregatingOptimizer(torch.optim.Optimizer):
             )
         sampler = self.batch_sampler
         ctx = self._context(sampler.steps_done, batch)
+        if self._saved_carry is not None:  # loaded with the state: decided at the first step, with Horovod up
+            saved, self._saved_carry = self._saved_carry, None
+            device = _device_of(batch)
+            restore_carry(aggregator, saved, ctx, sampler.epoch,
+                          lambda data: data if device is None else _to_device(data, device))
         self._loop, self._ctx = "running", ctx
         done = 0
         for mb in aggregator.micro_batches(batch, ctx):
@@ -421,16 +460,17 @@ class AggregatingOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ internals
     def _step_inner(self, closure: Any, explicit: bool) -> Any:
-        """Step the wrapped optimizer. ``"weighted"``: first wait, bounded by the exchange's timeout, for Horovod's
-        gradient all-reduces the backward pass started (``hvd.DistributedOptimizer.step`` would wait for them
-        without a bound), and name a failure of them."""
+        """Step the wrapped optimizer. ``"weighted"``: first start the gradient all-reduces the backward pass did not
+        (parameters that got no gradient) and wait, bounded by the exchange's timeout, for all of them
+        (:func:`~hetero_plugins.horovod.gradient_sync.wait_for_gradients`; ``hvd.DistributedOptimizer.step`` would
+        wait without a bound), and name a failure of them."""
         comm = self.aggregator.comm
-        operation = "hvd.DistributedOptimizer's gradient allreduce"
-        wait_all = getattr(comm, "wait_all", None)
-        handles = getattr(self.optimizer, "_handles", None)  # Horovod's {parameter: (handle, context)}
-        if not explicit and wait_all is not None and isinstance(handles, dict):
-            wait_all([h for h, _ in handles.values() if isinstance(h, int)], operation)
+        operation = GRADIENT_ALLREDUCE
         try:
+            if not explicit and hasattr(comm, "wait_all"):
+                # Horovod's step() synchronizes unless inside skip_synchronize() (the user synchronized already).
+                wait_for_gradients(self.optimizer, comm, operation,
+                                   start_missing=bool(getattr(self.optimizer, "_should_synchronize", True)))
             return self.optimizer.step(closure)
         except CollectiveError:
             raise

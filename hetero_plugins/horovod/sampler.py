@@ -50,9 +50,11 @@ class HeteroBatchSampler(Sampler[list[int]]):
     sizes that is remade every epoch.
 
     Pass it as ``DataLoader(dataset, batch_sampler=sampler)`` and give it to :func:`DistributedOptimizer`,
-    which reports the step timings and weights the gradients. Every rank runs the same number of steps;
-    every sample is visited exactly once per epoch over all ranks (a last global batch shorter than the
-    world size borrows padding, as ``DistributedSampler`` does; ``drop_last=True`` drops it instead).
+    which reports the step timings and weights the gradients. Every rank runs the same number of steps, and
+    over all ranks every sample is visited once per epoch, but for padding: as ``DistributedSampler`` does, the
+    epoch's order is padded with samples from its start to a multiple of the world size (a little further if
+    the last step would leave a rank without a sample), so when ``num_samples`` is not a multiple of the world
+    size a few samples are visited twice. ``drop_last=True`` drops the last, partial global batch.
 
     Args:
         num_samples: length of the dataset.
@@ -321,9 +323,10 @@ class HeteroBatchSampler(Sampler[list[int]]):
         self.timer.pop_records()  # timings of rolled-back or other-world steps would mislead the planner
         self._epoch_start = self._epoch_end = None
         try:
-            self._reconcile_world()
-        except ValueError:  # Horovod is between shutdown and init (elastic restore); done at sync/set_epoch
-            pass
+            self.exchange.size()
+        except ValueError:  # Horovod is between shutdown and init (elastic restore): done at sync / set_epoch
+            return
+        self._reconcile_world()  # its own errors (a global batch too small for the world...) surface here
 
     # ------------------------------------------------------------------ step hooks (DistributedOptimizer calls them)
     def batch_drawn(self, batch_size: int) -> None:
@@ -357,31 +360,32 @@ class HeteroBatchSampler(Sampler[list[int]]):
     def _check_agreement(self) -> None:
         """Every rank built this sampler alike, or every rank raises naming the ranks that differ and how
         (collective; one bounded ``allgather_object``). Ranks that disagree would otherwise lay out different
-        epochs and wait for each other in collectives that never match.
+        epochs and wait for each other in collectives that never match, or, on ``locality`` (which cuts the
+        shards differently but keeps the steps), silently visit some samples twice and others never.
 
         It runs at every ``set_epoch``, not only the first: a worker that joins an elastic job checks along
         with the others. It compares the global batch (``batch_size`` x world size at the start, which such a
         worker adopts from the committed state), not each rank's ``batch_size``.
         """
         mine = {"num_samples": self.num_samples, "batch_size": self.local_batch_size, "global": self.global_batch,
-                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+                "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last, "locality": self.locality}
         everyone = self.exchange.allgather_object(mine, name="hetero_plugins.sampler.arguments")
         first = everyone[0]
         problems = []
         for r, theirs in enumerate(everyone[1:], start=1):
-            for key in ("num_samples", "global", "shuffle", "seed", "drop_last"):
-                if theirs[key] == first[key]:
+            for key in ("num_samples", "global", "shuffle", "seed", "drop_last", "locality"):
+                if theirs.get(key) == first.get(key):
                     continue
                 if key == "global":
                     problems.append(f"rank {r} has batch_size={theirs['batch_size']} (global batch {theirs['global']}) "
                                     f"but rank 0 has batch_size={first['batch_size']} (global batch {first['global']})")
                 else:
-                    problems.append(f"rank {r} has {key}={theirs[key]!r} but rank 0 has {key}={first[key]!r}")
+                    problems.append(f"rank {r} has {key}={theirs.get(key)!r} but rank 0 has {key}={first.get(key)!r}")
         if problems:
             raise ValueError(
                 "hh.HeteroBatchSampler is built differently on different ranks: " + "; ".join(problems) + ". "
-                "HINT: build it with the same num_samples (len of the same dataset), batch_size, shuffle, seed and "
-                "drop_last on every rank."
+                "HINT: build it with the same num_samples (len of the same dataset), batch_size, shuffle, seed, "
+                "drop_last and locality on every rank."
             )
 
     def _new_planner(self, world: int) -> BalancePlanner:

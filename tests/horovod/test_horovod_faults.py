@@ -3,6 +3,9 @@
 - Ranks that build ``hh.HeteroBatchSampler`` differently (``num_samples`` 240 vs 200, ``batch_size`` 8 vs 6)
   used to lay out different epochs and wait for each other until killed; now the first ``set_epoch`` raises on
   every rank an error naming the rank that differs and in what, and the job ends.
+- A rank that stalls after its backward pass, with a parameter that got no gradient, ends the job within the
+  timeout (plain ``"weighted"`` and the Lightning strategy): Horovod's ``synchronize()`` used to start that
+  parameter's all-reduce itself and wait for it without a bound.
 - A rank that freezes (``SIGSTOP``) ends the job with an error naming it and the collective, in ``"weighted"``
   (Horovod's own gradient all-reduce) and in ``"wbsp"`` (the claim store rank 0 serves). Of three ranks with no
   store (``"weighted"``), the survivors name the frozen one from a liveness probe over Horovod's rendezvous
@@ -63,6 +66,29 @@ def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available,
     assert message is not None, res.stdout[-6000:]
     assert "rank 1" in message and "rank 0 did not answer" in message, message
     assert re.search(r"allreduce|allgather|broadcast|add\(", message), message
+
+
+@pytest.mark.parametrize("kind", ["plain", "lightning"])
+def test_a_stalled_rank_with_an_unused_parameter_ends_within_the_timeout(horovod_available, tmp_path, kind):
+    """A parameter that got no gradient has no all-reduce until Horovod's ``synchronize()`` starts one, which it
+    then waited for without a bound (the job hung as long as the peer stalled, ``HETERO_PLUGINS_TIMEOUT``
+    ignored). Rank 1 sleeps 60 s after its backward pass (``"weighted"`` ``hh.DistributedOptimizer``, or
+    ``HeteroHorovodStrategy``'s ``post_backward``); rank 0 must raise within the timeout, naming rank 1."""
+    env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+    res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
+                   str(tmp_path), f"stall:{kind}"], timeout=90, env=env)
+    ended = time.time()
+    frozen = tmp_path / "frozen"
+    assert frozen.exists(), res.stdout[-4000:]
+    after = ended - float(frozen.read_text())
+    print(f"\nstall:{kind}: the job ended {after:.1f} s after rank 1 stalled (timeout {TIMEOUT} s)")
+    assert res.returncode != 0
+    recorded = tmp_path / "error_rank0.txt"
+    assert recorded.exists(), res.stdout[-6000:]
+    message = recorded.read_text()
+    assert message.startswith("CollectiveError: ") and "rank 0" in message, message
+    assert "rank 1 did not answer" in message and "gradient allreduce" in message, message
+    assert after < TIMEOUT + 30, f"the job ended {after:.1f} s after the stall (it lasts 60 s): {message}"
 
 
 def test_among_three_ranks_with_no_store_the_survivors_name_the_frozen_one(horovod_available, tmp_path):

@@ -10,6 +10,11 @@
                after writing ``frozen``; the others must end with an error naming rank R and the collective
                (``HETERO_PLUGINS_TIMEOUT`` and ``HOROVOD_GLOO_TIMEOUT_SECONDS`` bound the wait), which each
                writes whole to ``error_rank{r}.txt``.
+    stall:K    a model with a parameter no step gives a gradient (an unused head), ``K`` ``plain`` (``"weighted"``)
+               or ``lightning`` (``HeteroHorovodStrategy``): at step 2 rank 1 sleeps 60 s after its backward pass,
+               before the optimizer step, after writing ``frozen`` (Horovod's background thread runs on, so Horovod
+               never fails by itself). Horovod's ``synchronize()`` starts the unused parameter's all-reduce only
+               then, and rank 0 must give up on it within ``HETERO_PLUGINS_TIMEOUT`` (``error_rank0.txt``).
 """
 
 from __future__ import annotations
@@ -126,12 +131,87 @@ def freeze_lightning(out: str, at_epoch_end: bool) -> None:
         raise
 
 
+class _WithUnusedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.unused = torch.nn.Linear(8, 3)  # in the optimizer, never in the loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _stall(out: str) -> None:
+    with open(os.path.join(out, "frozen"), "w") as f:
+        f.write(repr(time.time()))
+    time.sleep(60)
+
+
+def _record(out: str, rank: int, err: BaseException) -> None:
+    with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as f:
+        f.write(f"{type(err).__name__}: {err}")
+
+
+def stall(out: str, kind: str) -> None:
+    rank = hvd.rank()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(320, 8, generator=g), torch.randint(0, 3, (320,), generator=g))
+    if kind == "plain":
+        model = _WithUnusedHead()
+        sampler = hh.HeteroBatchSampler(len(data), batch_size=8, seed=0)
+        opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), batch_sampler=sampler)
+        try:
+            sampler.set_epoch(0)
+            for step, (x, y) in enumerate(DataLoader(data, batch_sampler=sampler)):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                if rank == 1 and step == 2:
+                    _stall(out)
+                opt.step()
+        except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
+            _record(out, rank, err)
+            raise
+        return
+    import lightning.pytorch as pl
+
+    from hetero_plugins.strategies import HeteroHorovodStrategy
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _WithUnusedHead()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.model(x), y)
+
+        def on_after_backward(self) -> None:
+            if self.global_rank == 1 and self.global_step == 2:
+                _stall(out)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", strategy=HeteroHorovodStrategy(), max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out)
+    try:
+        trainer.fit(Net(), DataLoader(data, batch_size=8))
+    except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
+        _record(out, hvd.rank(), err)
+        raise
+
+
 if __name__ == "__main__":
     hvd.init()
     torch.set_num_threads(1)
     out, phase = sys.argv[1], sys.argv[2]
     if phase == "mismatch":
         mismatch(out)
+    elif phase.startswith("stall:"):
+        stall(out, phase.split(":", 1)[1])
     elif phase.startswith("freeze:lightning"):
         freeze_lightning(out, at_epoch_end=phase.endswith("epoch_end"))
     else:
