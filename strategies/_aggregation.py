@@ -16,7 +16,18 @@ buffer broadcast runs a collective that ranks could reach a different number of 
 - ``optimizer_step`` runs Lightning's closure, then ``aggregator.exchange()``, the strategy's own optimizer
   step (clipping and ``on_before_optimizer_step`` included) unless the exchange says to skip it, and
   ``aggregator.after_step()``.
-- ``on_train_end`` applies what ``aggregator.flush()`` leaves (``pseudo_sync``'s last gradient).
+- ``on_train_end`` calls ``aggregator.flush()`` and, where it leaves a gradient (``pseudo_sync``'s last one),
+  steps the optimizer through the same path as every step: the precision plugin (a ``GradScaler``'s unscale
+  and inf check), ``on_before_optimizer_step`` and gradient clipping. ``local_sgd`` averages there a window
+  the fit left unfinished; a step that ends the fit on ``max_steps`` is the step context's ``last`` (no
+  ``deadline`` there, the carry is worked off; ``local_sgd`` averages).
+- The parameters the engine exchanges are re-read from the optimizer at every step (``requires_grad``), so a
+  layer unfrozen later (``BackboneFinetuning``) takes part from then on on every rank.
+- Under fp16 mixed precision each step's ``grad_scale`` (the ``GradScaler``'s scale) goes into the step
+  context, so ``pseudo_sync`` unscales each gradient by the scale it was computed under.
+- Checkpoints: a callback the strategy adds saves ``aggregator.state_dict()`` (``pseudo_sync``'s reduced
+  gradient in flight and corrector) and restores it on resume; what a checkpoint cannot hold (``deadline``'s
+  carried samples) is named in a warning when it is saved.
 
 In every mode, a collective of the strategy (the DDP gradient all-reduce of the backward pass, ``reduce``,
 ``all_gather``, ``broadcast``, ``barrier``) that fails because a rank froze or died raises
@@ -25,17 +36,19 @@ In every mode, a collective of the strategy (the DDP gradient all-reduce of the 
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from hetero_plugins.aggregation import Aggregator, StepContext, make_aggregator
 from hetero_plugins.aggregation.deadline import DeadlineAggregator
-from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients
 from hetero_plugins.aggregation.options import AggregationOptions, resolve_aggregation
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
@@ -56,6 +69,32 @@ class _ExplicitWeights:
 
     def set_weight(self, weight: float) -> None:
         """Ignored: the aggregator reads each step's counts from its :class:`StepContext`."""
+
+
+class _AggregatorCheckpoint(Callback):
+    """Puts the strategy's aggregator state into checkpoints and back (added to the Trainer's callbacks when the
+    model is connected, before a checkpoint is restored)."""
+
+    def __init__(self, strategy: AggregationMixin) -> None:
+        self.strategy = strategy
+
+    @property
+    def state_key(self) -> str:
+        return "hetero_plugins.aggregation"
+
+    def state_dict(self) -> dict[str, Any]:
+        aggregator = self.strategy.aggregator
+        if aggregator is None:
+            return {}
+        lost = aggregator.checkpoint_losses()
+        if lost is not None and self.strategy.global_rank == 0:
+            warnings.warn(f"aggregation={aggregator.mode!r}: {lost}. HINT: checkpoint at an epoch's end (e.g. "
+                          "ModelCheckpoint(every_n_epochs=1)), where nothing is carried.", RuntimeWarning,
+                          stacklevel=2)
+        return aggregator.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.strategy._load_aggregation_state(dict(state_dict))
 
 
 class AggregationMixin(_StrategyHost):
@@ -82,10 +121,40 @@ class AggregationMixin(_StrategyHost):
         self.aggregator = None
         self.micro_batch_samples = None
         self._step_ctx: StepContext | None = None
-        self._stash: Tensor | None = None
+        self._stash: list[Tensor | None] | None = None
         self._transport: Collectives | None = None
+        self._step_fn: Callable[..., Any] | None = None  # the strategy's own optimizer step (for the flush)
+        self._loaded_state: dict[str, Any] | None = None  # aggregator state from a checkpoint, not applied yet
+        self._checkpoint_callback = _AggregatorCheckpoint(self)
         if self.aggregation.explicit_sync:
             self.balancer.attach_weighting(_ExplicitWeights())
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)  # type: ignore[misc]
+        trainer = model.trainer
+        if self.aggregation.explicit_sync and not any(cb is self._checkpoint_callback for cb in trainer.callbacks):
+            trainer.callbacks.append(self._checkpoint_callback)
+
+    def _load_aggregation_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's aggregator state: applied now if the aggregator exists, else once it is set up."""
+        self._loaded_state = state or None
+        if self.aggregator is not None:
+            self._apply_loaded_state(self.aggregator)
+
+    def _apply_loaded_state(self, aggregator: Aggregator) -> None:
+        state, self._loaded_state = self._loaded_state, None
+        if not state:
+            return
+        if state.get("mode") != aggregator.mode:
+            warnings.warn(f"the checkpoint holds aggregation={state.get('mode')!r} state, but this run uses "
+                          f"aggregation={aggregator.mode!r}; it is ignored.", RuntimeWarning, stacklevel=2)
+            return
+        aggregator.load_state_dict(state)
+
+    def _grad_scale(self) -> float:
+        """The loss scale of the precision plugin's ``GradScaler`` (fp16 mixed precision), else 1.0."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else 1.0
 
     def _collectives(self) -> Collectives:
         """The transport of the engine's exchanges (the strategy implements it)."""
@@ -180,7 +249,9 @@ class AggregationMixin(_StrategyHost):
         mode.check_accumulation("accumulate_grad_batches", trainer.accumulate_grad_batches)
         aggregator = make_aggregator(mode, self._comm(), module.parameters(),
                                      buffers=list(module.parameters()) + list(module.buffers()))
+        aggregator.follow_optimizer = True  # the loss carries each micro-batch's weight: any parameter may join
         aggregator.setup(self.optimizers)
+        self._apply_loaded_state(aggregator)
         if self.aggregator is not None:
             aggregator.stats = self.aggregator.stats  # another fit with this strategy: the counts go on
         if isinstance(aggregator, DeadlineAggregator):
@@ -220,7 +291,8 @@ class AggregationMixin(_StrategyHost):
             counts = tuple(own.step_counts(batch_idx))
             # The epoch's layout ends it; limit_train_batches may end the loop earlier.
             steps = min(len(own), trainer.num_training_batches)
-        last = batch_idx + 1 >= steps
+        # max_steps may end the fit earlier still (one optimizer step per batch: no accumulation here).
+        last = batch_idx + 1 >= steps or 0 <= trainer.max_steps <= trainer.global_step + 1
         if own is None or not aggregator.micro_batched:
             return StepContext(batch_idx, counts, rank, last)
         loader = trainer.train_dataloader
@@ -237,7 +309,8 @@ class AggregationMixin(_StrategyHost):
     def _micro_batched_step(
         self, aggregator: Aggregator, ctx: StepContext, batch: Any, rest: tuple, kwargs: dict[str, Any]
     ) -> Any:
-        for p in aggregator.params:
+        params = aggregator.params
+        for p in params:
             p.grad = None  # Lightning zeroes gradients only after training_step
         results: list[tuple[Any, float, int]] = []
         for mb in aggregator.micro_batches(batch, ctx):
@@ -246,7 +319,9 @@ class AggregationMixin(_StrategyHost):
         done = sum(n for _, _, n in results)
         self.balancer.timer.set_samples(done)  # stolen samples count for this rank, missed ones do not
         self.balancer.timer.mark_gradients_ready()
-        self._stash = flat_gradients(aggregator.params)
+        self._stash = [p.grad for p in params]  # None stays None: a parameter with no gradient is skipped
+        for p in params:
+            p.grad = None  # Lightning's zero_grad (in place or not) leaves the stash alone
         self.micro_batch_samples = 0  # the placeholder's backward below is not a micro-batch
         mean_loss = sum(loss * n for _, loss, n in results) / max(done, 1)
         placeholder = torch.as_tensor(mean_loss, dtype=torch.float32).detach().clone().requires_grad_(True)
@@ -289,12 +364,17 @@ class AggregationMixin(_StrategyHost):
         strategy's own optimizer step (precision plugin, clipping, hooks)."""
         aggregator = self.aggregator
         assert aggregator is not None
+        self._step_fn = step_fn
         result = closure()  # training_step (where micro-batches run) and Lightning's backward
         if self._stash is not None:
-            set_flat_gradients(aggregator.params, self._stash)
+            for p, g in zip(aggregator.params, self._stash):
+                p.grad = g
             self._stash = None
         ctx = self._step_ctx
         assert ctx is not None, "training_step runs before the optimizer step"
+        scale = self._grad_scale()
+        if scale != 1.0:
+            ctx = dataclasses.replace(ctx, grad_scale=scale)
         if not aggregator.exchange(ctx):
             return None  # pseudo_sync's first step: its exchange is launched, there is nothing to apply yet
         out = step_fn(optimizer, lambda: result, model, **kwargs)
@@ -303,9 +383,12 @@ class AggregationMixin(_StrategyHost):
 
     def on_train_end(self) -> None:
         aggregator = self.aggregator
-        if aggregator is not None and aggregator.flush():  # the last step's gradient, still in flight
+        if aggregator is not None and aggregator.flush(self._grad_scale()):  # the last step's gradient, in flight
+            # The same path as every step: precision plugin (unscale, inf check), on_before_optimizer_step, clipping.
+            step_fn = self._step_fn or super(AggregationMixin, self).optimizer_step  # type: ignore[misc]
+            done = torch.zeros(())  # the closure's "loss": not None, so a GradScaler does not skip the step
             for opt in self.optimizers:
-                opt.step()
+                step_fn(opt, lambda: done, None)
                 opt.zero_grad()
         super().on_train_end()
 

@@ -396,10 +396,12 @@ def test_engine_deadline_without_a_hit_and_wbsp_equal_one_process_on_each_union(
                              times=FixedTimes(1.0, [1000.0, 100.0]))
         for model, stats, processed, _ in results:
             assert_models_close(model, ref)
-            # the exchange counts what it sends: the gradients and 2 * world float64 count slots (wbsp: and one
-            # tally slot per micro-batch of the step, 3 per rank here)
+            # the exchange counts what it sends: the gradients, 3 * world float64 slots (count, backlog, layout
+            # fingerprint), one has-gradient flag per parameter tensor (wbsp: and one tally slot per micro-batch
+            # of the step, 3 per rank here)
             n = sum(p.numel() for p in model.parameters()) + (2 * 3 if options.mode == "wbsp" else 0)
-            assert stats.rounds == STEPS and stats.bytes == STEPS * (n + 2 * 2) * 8
+            flags = len(list(model.parameters()))
+            assert stats.rounds == STEPS and stats.bytes == STEPS * (n + 3 * 2 + flags) * 8
         seen = sorted(i for _, _, processed, _ in results for step in processed for i in step)
         assert seen == list(range(GLOBAL * STEPS))  # every sample once
 
@@ -433,7 +435,9 @@ def test_engine_pseudo_sync_plain_delay_equals_one_step_delayed_sgd():
     ref = replay_unions([share(s, 0) + share(s, 1) for s in range(STEPS)], delayed=True)
     for model, stats, _, _ in results:
         assert_models_close(model, ref)
-        assert stats.rounds == STEPS and stats.bytes == STEPS * sum(p.numel() * 8 for p in model.parameters())
+        # the gradients, one has-gradient flag per parameter tensor and one layout-fingerprint slot per rank
+        params = list(model.parameters())
+        assert stats.rounds == STEPS and stats.bytes == STEPS * (sum(p.numel() for p in params) + len(params) + 2) * 8
 
 
 def test_engine_local_sgd_averages_every_h_steps_weighted_by_samples_and_at_the_end():

@@ -75,10 +75,12 @@ def test_float32_and_float64_keep_one_slot_per_count_and_the_same_maths(dtype):
     for rank, (counts, carried, grad, sent) in enumerate(results):
         assert counts == processed and carried == backlogs
         assert torch.equal(grad, reference)  # bit for bit what the one-slot exchange always gave
-        assert sent.dtype == dtype and sent.numel() == 2 + 2 * 3  # the gradients, then one slot per count
+        # the gradients, then one slot per count, per backlog and per layout fingerprint, then a has-grad flag
+        assert sent.dtype == dtype and sent.numel() == 2 + 3 * 3 + 1
         slots = [0.0] * 6
         slots[rank], slots[3 + rank] = float(processed[rank]), float(backlogs[rank])
-        assert sent[2:].tolist() == slots
+        assert sent[2:8].tolist() == slots
+        assert sent[8 + rank].item() > 0 and sent[-1].item() == 1.0
 
 
 def test_float64_step_equals_the_mean_over_the_union_of_samples():

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from hetero_plugins.aggregation.grad_sync import sync_sample_weighted, trainable
+from hetero_plugins.aggregation.grad_sync import layout_fingerprint, sync_sample_weighted, trainable
 from hetero_plugins.aggregation.microbatch import MicroBatch, batch_length
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.collectives import Collectives, ReduceHandle
@@ -63,6 +63,10 @@ class StepContext:
         planner: the plan's time models (``deadline``: the predicted step time; ``wbsp``: the ranks' rates).
         indices_of: ``indices_of(owner)``: the dataset indices of ``owner``'s share of the step (``wbsp``).
         load: ``load(indices)``: those samples collated and on the training device (``wbsp``).
+        grad_scale: the factor the step's gradients carry (a ``GradScaler``'s loss scale under fp16 mixed
+            precision; 1.0 otherwise), the same on every rank. ``pseudo_sync`` exchanges true gradients and hands
+            the optimizer each one scaled by the scale of the step that applies it, so the precision plugin's
+            unscale matches.
     """
 
     step: int
@@ -72,6 +76,7 @@ class StepContext:
     planner: StepPredictor | None = None
     indices_of: Callable[[int], Sequence[int]] | None = None
     load: Callable[[Sequence[int]], Any] | None = None
+    grad_scale: float = 1.0
 
     @property
     def planned(self) -> int:
@@ -119,7 +124,10 @@ class Aggregator(ABC):
         options: the mode and its options; ``options.mode`` must be this class's :attr:`mode`.
         comm: the transport (Lightning's process group, Horovod, ...).
         params: the parameters the optimizer updates (those with ``requires_grad`` take part, in this order,
-            which must be the same on every rank).
+            which must be the same on every rank). Once :meth:`setup` has the optimizers, the parameters are
+            those of their parameter groups, and :attr:`params` is read again at every access: with
+            :attr:`follow_optimizer` a parameter unfrozen (``requires_grad_(True)``, a parameter group added) or
+            frozen later takes part from then on; without it such a change raises a ``ValueError`` naming the fix.
         buffers: other tensors the mode keeps equal across ranks (``local_sgd`` averages the floating ones,
             e.g. BatchNorm statistics); ignored by the other modes.
 
@@ -128,6 +136,9 @@ class Aggregator(ABC):
         last_counts: every rank's processed samples in the last exchange that shares them (``deadline``,
             ``wbsp``), else ``None``.
         backlogs: every rank's carried samples after the last ``deadline`` exchange, else ``None``.
+        follow_optimizer: whether :attr:`params` follows later changes of the trainable parameters (set by an
+            adapter whose micro-batch weighting covers any parameter, as the Lightning strategies' loss
+            scaling does; ``False``: a change raises).
     """
 
     #: The ``aggregation=`` value this class implements.
@@ -149,7 +160,11 @@ class Aggregator(ABC):
             )
         self.options = options
         self.comm = comm
-        self.params = trainable(list(params))
+        self.follow_optimizer = False
+        self._given = list(params)
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._params, self.layout = self._trainable()
+        self._param_ids = [id(p) for p in self._params]
         self.stats = AggregationStats()
         self.last_counts: list[int] | None = None
         self.backlogs: list[int] | None = None
@@ -161,12 +176,57 @@ class Aggregator(ABC):
 
     def setup(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Check the run against the mode once the optimizers exist. Collective: every rank calls it (``wbsp``
-        opens its claim store here)."""
+        opens its claim store here). From now on the parameters are the optimizers' (see :attr:`params`)."""
         if self.options.explicit_sync and len(optimizers) != 1:
             raise ValueError(
                 f"aggregation={self.mode!r} supports one optimizer, got {len(optimizers)}. HINT: use one optimizer "
                 "over all parameters (with parameter groups), or aggregation='weighted'."
             )
+        self._optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+        self._params, self.layout = self._trainable()
+        self._param_ids = [id(p) for p in self._params]
+
+    # ------------------------------------------------------------------ the parameters that take part
+    def candidates(self) -> list[torch.Tensor]:
+        """Every parameter the optimizer may update, trainable or not: its parameter groups' once :meth:`setup`
+        has it, else those given to the constructor (the same order on every rank)."""
+        if self._optimizers:
+            return [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
+        return self._given
+
+    def _trainable(self) -> tuple[list[torch.Tensor], int]:
+        """The trainable :meth:`candidates` and their layout fingerprint (shapes, dtypes and positions)."""
+        candidates = self.candidates()
+        params = trainable(candidates)
+        index = {id(p): i for i, p in reversed(list(enumerate(candidates)))}
+        return params, layout_fingerprint(params, [index[id(p)] for p in params])
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters that take part now: the trainable ones (``requires_grad``) among :meth:`candidates`,
+        without duplicates, in their order; read again at each access (see the class doc)."""
+        current = trainable(self.candidates())
+        if [id(p) for p in current] != self._param_ids:
+            if not self.follow_optimizer:
+                raise ValueError(
+                    f"aggregation={self.mode!r}: the trainable parameters changed after the aggregator was set up "
+                    f"({len(self._param_ids)} then, {len(current)} now: `requires_grad` was changed or a parameter "
+                    "group added), and this optimizer weights the gradients of the parameters it started with only. "
+                    "HINT: build the optimizer again after freezing / unfreezing (e.g. hetero_plugins.horovod."
+                    "DistributedOptimizer(...) over the new parameters), or keep every parameter the run will train "
+                    "trainable from the start and freeze it with a learning rate of 0 instead."
+                )
+            old = len(self._param_ids)
+            self._params, self.layout = self._trainable()
+            self._param_ids = [id(p) for p in self._params]
+            log.info("aggregation=%r: the trainable parameters changed (%d -> %d tensors); exchanging the new set",
+                     self.mode, old, len(self._params))
+            self._params_changed()
+        return self._params
+
+    def _params_changed(self) -> None:
+        """Called when :attr:`params` adopts a new set of trainable parameters (``pseudo_sync`` resets its
+        corrector's history)."""
 
     def micro_batches(self, batch: Any, ctx: StepContext) -> Iterator[MicroBatch]:
         """The pieces of ``batch`` (this rank's batch of step ``ctx.step``) to back-propagate one after the
@@ -185,10 +245,26 @@ class Aggregator(ABC):
     def after_step(self, ctx: StepContext) -> None:
         """After the optimizer step of ``ctx.step`` (``local_sgd``: the periodic model average). Collective."""
 
-    def flush(self) -> bool:
+    def flush(self, grad_scale: float = 1.0) -> bool:
         """After the last step: ``True`` when gradients were set that the optimizer must still apply
-        (``pseudo_sync``'s last reduced gradient). Collective."""
+        (``pseudo_sync``'s last reduced gradient, multiplied by ``grad_scale``, the loss scale the precision
+        plugin will unscale by). ``local_sgd`` averages the models here if steps were taken since the last
+        average (a fit stopped mid-window). Collective: every rank calls it."""
         return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold to resume this mode where it stopped (``pseudo_sync``: the reduced
+        gradient in flight and the corrector's history); ``{}`` for a mode with nothing in flight. Collective
+        where something is in flight: every rank calls it."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (call after :meth:`setup`)."""
+
+    def checkpoint_losses(self) -> str | None:
+        """What a checkpoint taken now cannot hold (``deadline``: samples carried on the ranks), for a warning;
+        ``None`` when nothing is lost."""
+        return None
 
     def end_epoch(self) -> None:
         """Drop per-epoch state left by an epoch the loop cut short. Neither a Lightning strategy nor a
@@ -245,9 +321,10 @@ class SampleWeightedAggregator(Aggregator):
         return 0
 
     def exchange(self, ctx: StepContext) -> bool:
+        params = self.params
         counts, backlogs = sync_sample_weighted(
-            self.params, self.step_samples, ctx.planned, ctx.rank, len(ctx.counts), self._exchange_allreduce,
-            backlog=self._backlog(),
+            params, self.step_samples, ctx.planned, ctx.rank, len(ctx.counts), self._exchange_allreduce,
+            backlog=self._backlog(), layout=self.layout, mode=self.mode,
         )
         self.last_counts, self.backlogs = counts, backlogs
         if sum(counts) != ctx.planned and ctx.rank == 0:

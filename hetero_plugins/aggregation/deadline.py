@@ -196,6 +196,23 @@ class DeadlineAggregator(SampleWeightedAggregator):
         spread = max(1, min(4, int(steps_left)))
         return [math.ceil(c / spread) for c in self.backlogs]
 
+    def flush(self, grad_scale: float = 1.0) -> bool:
+        """After the fit: carried samples left now were never processed (the fit stopped mid-epoch, other than
+        on ``max_steps``, whose step is the last and has no deadline); warned about and dropped."""
+        if self.carry.samples:
+            log.warning("aggregation='deadline': %d samples carried by this rank were never processed: the fit "
+                        "stopped mid-epoch before they were worked off", self.carry.clear())
+        return False
+
+    def checkpoint_losses(self) -> str | None:
+        """The samples the ranks carry after the last exchange (every rank knows every rank's): a checkpoint
+        does not hold them, so a resume from it never processes them."""
+        carried = sum(self.backlogs or ())
+        if not carried:
+            return None
+        return (f"{carried} samples carried past a deadline (per rank {list(self.backlogs or ())}) are not in the "
+                "checkpoint, and a resume from it will not process them")
+
     def end_epoch(self) -> None:
         if self.carry.samples:
             log.warning("aggregation='deadline': %d carried samples dropped: the epoch ended before they were "

@@ -296,7 +296,8 @@ def weighted_average_(
 class LocalSGDAggregator(Aggregator):
     """``aggregation="local_sgd"``: each step is a local step on this rank's own mean gradient; after every
     ``local_steps`` steps and at every epoch's last step the parameters and floating ``buffers`` are averaged,
-    weighted by the samples each rank processed since the last average (:func:`weighted_average_`).
+    weighted by the samples each rank processed since the last average (:func:`weighted_average_`);
+    :meth:`flush` averages a window the fit left unfinished.
 
     Attributes:
         schedule: the :class:`LocalSGDSchedule`.
@@ -321,10 +322,20 @@ class LocalSGDAggregator(Aggregator):
 
     def after_step(self, ctx: StepContext) -> None:
         due = self.schedule.step_done(ctx.counts[ctx.rank])
-        if due or ctx.last:  # also at the epoch's end: every epoch ends on one model
-            weighted_average_(self.tensors, self.schedule.samples_since_average,
-                              lambda t: self._allreduce_sum(t, "hetero_plugins.aggregation.local_sgd"))
-            self.schedule.averaged()
+        if due or ctx.last:  # also at the epoch's (or the fit's) end: every epoch ends on one model
+            self._average()
+
+    def flush(self, grad_scale: float = 1.0) -> bool:
+        """Average now if local steps were taken since the last average (a fit that stopped inside a window,
+        e.g. on ``max_steps`` or ``max_time``), so every rank ends on one model; nothing to apply after."""
+        if self.schedule.steps_since_average > 0:
+            self._average()
+        return False
+
+    def _average(self) -> None:
+        weighted_average_(self.tensors, self.schedule.samples_since_average,
+                          lambda t: self._allreduce_sum(t, "hetero_plugins.aggregation.local_sgd"))
+        self.schedule.averaged()
 
 
 def _sq_dist(tensors: list[torch.Tensor], base: list[torch.Tensor], indices: list[int]) -> float:

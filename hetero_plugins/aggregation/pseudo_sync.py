@@ -25,7 +25,16 @@ import torch
 
 from hetero_plugins._validation import check_float
 from hetero_plugins.aggregation.base import Aggregator, StepContext
-from hetero_plugins.aggregation.grad_sync import flat_gradients, set_flat_gradients
+from hetero_plugins.aggregation.grad_sync import (
+    _digits,
+    _undigits,
+    check_layouts,
+    count_slots,
+    exchange_dtype,
+    flat_gradients,
+    has_gradients,
+    set_flat_gradients,
+)
 from hetero_plugins.collectives import CompletedHandle, ReduceHandle
 
 __all__ = ["CompletedHandle", "DelayedExchange", "PseudoSyncAggregator", "PseudoSyncCorrector", "ReduceHandle"]
@@ -238,11 +247,29 @@ class DelayedExchange:
         previous, self._pending = self._pending, None
         return None if previous is None else previous.wait()
 
+    def settle(self) -> torch.Tensor | None:
+        """Wait for the pending reduce and keep its result pending (for a checkpoint); ``None`` if none is."""
+        if self._pending is None:
+            return None
+        result = self._pending.wait()
+        self._pending = CompletedHandle(result)
+        return result
+
+    def restore(self, reduced: torch.Tensor | None) -> None:
+        """Make ``reduced`` (a :meth:`settle` result from a checkpoint) the pending result."""
+        self._pending = None if reduced is None else CompletedHandle(reduced)
+
 
 class PseudoSyncAggregator(Aggregator):
     """``aggregation="pseudo_sync"``: step k launches the all-reduce of its weighted gradient and applies step
     k-1's reduced gradient, corrected by a :class:`PseudoSyncCorrector`; the first step only launches
     (:meth:`exchange` returns ``False``), and :meth:`flush` applies the last one after training.
+
+    The launched buffer holds the gradients (true gradients: divided by the step's ``grad_scale``, multiplied by
+    the rank's share b_i / B), one has-gradient flag per parameter and every rank's layout fingerprint; it is
+    applied to the parameters it was launched for (a parameter unfrozen since gets no gradient in that step, and
+    the corrector's history restarts), multiplied by the applying step's ``grad_scale``. A parameter no rank had a
+    gradient for keeps ``p.grad = None``. :meth:`state_dict` holds the reduced gradient in flight.
 
     Attributes:
         corrector: the :class:`PseudoSyncCorrector`.
@@ -256,6 +283,8 @@ class PseudoSyncAggregator(Aggregator):
         assert opts.smoothing is not None and opts.min_confidence is not None  # filled per mode
         self.corrector = PseudoSyncCorrector(smoothing=opts.smoothing, min_confidence=opts.min_confidence)
         self.delayed = DelayedExchange(self._launch)
+        self._pending_meta: dict[str, Any] | None = None  # how to read the buffer in flight
+        self._corrected_layout: int | None = None  # the layout of the corrector's history
 
     def setup(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         super().setup(optimizers)
@@ -276,20 +305,105 @@ class PseudoSyncAggregator(Aggregator):
         name = f"hetero_plugins.aggregation.pseudo_sync.{self.delayed.launched % 2}"  # two may be in flight
         return self._allreduce_sum_async(flat, name)
 
+    def _params_changed(self) -> None:
+        pass  # the corrector restarts when a gradient of the new layout is applied (_apply)
+
+    def _pack(self, params: list[torch.Tensor], ctx: StepContext) -> tuple[torch.Tensor, dict[str, Any]]:
+        """This step's buffer: weighted true gradients, has-gradient flags, every rank's layout fingerprint."""
+        dtype = exchange_dtype(params)
+        base, digits = count_slots(dtype)
+        world = len(ctx.counts)
+        flat = flat_gradients(params, extra=len(params) + world * digits, dtype=dtype)
+        n = flat.numel() - len(params) - world * digits
+        scale = float(ctx.grad_scale)
+        flat[:n].mul_(ctx.weight if scale == 1.0 else ctx.weight / scale)
+        if params:
+            flat[n : n + len(params)] = torch.tensor(has_gradients(params), dtype=dtype, device=flat.device)
+        for i, digit in enumerate(_digits(self.layout, base, digits)):
+            flat[n + len(params) + ctx.rank * digits + i] = digit
+        candidates = self.candidates()
+        index = {id(p): i for i, p in reversed(list(enumerate(candidates)))}
+        meta = {"params": params, "positions": [index.get(id(p), -1) for p in params], "size": n, "world": world,
+                "base": base, "digits": digits, "layout": self.layout}
+        return flat, meta
+
+    def _apply(self, reduced: torch.Tensor, meta: dict[str, Any], grad_scale: float) -> None:
+        """Set the gradients of ``meta``'s parameters from their reduced buffer (corrected, scaled by
+        ``grad_scale``); every other trainable parameter's gradient is dropped (it was not exchanged)."""
+        params, n, base, digits = meta["params"], meta["size"], meta["base"], meta["digits"]
+        tail = reduced[n:].tolist()
+        flags = [v > 0 for v in tail[: len(params)]]
+        slots = tail[len(params) :]
+        check_layouts([_undigits(slots[r * digits : (r + 1) * digits], base) for r in range(meta["world"])],
+                      self.mode)
+        if meta["layout"] != self._corrected_layout:
+            if self._corrected_layout is not None:
+                self.corrector.reset()  # the history belongs to another set of parameters
+            self._corrected_layout = meta["layout"]
+        applied = {id(p) for p in params}
+        for p in self.params:
+            if id(p) not in applied:
+                p.grad = None  # unfrozen after the launch: no exchanged gradient yet (a local one would diverge)
+        grads = self.corrector.combine(reduced[:n])
+        if grad_scale != 1.0:
+            grads = grads * grad_scale
+        set_flat_gradients(params, grads, flags)
+
     def exchange(self, ctx: StepContext) -> bool:
-        flat = flat_gradients(self.params).mul_(ctx.weight)
+        flat, meta = self._pack(self.params, ctx)
+        previous_meta, self._pending_meta = self._pending_meta, meta
         previous = self.delayed.exchange(flat)
         if previous is None:  # the very first step only launches: there is no earlier gradient yet
             return False
-        set_flat_gradients(self.params, self.corrector.combine(previous))
+        assert previous_meta is not None
+        self._apply(previous, previous_meta, float(ctx.grad_scale))
         return True
 
-    def flush(self) -> bool:
-        last = self.delayed.flush()
-        if last is None:
+    def flush(self, grad_scale: float = 1.0) -> bool:
+        last, meta = self.delayed.flush(), self._pending_meta
+        self._pending_meta = None
+        if last is None or meta is None:
             return False
-        set_flat_gradients(self.params, self.corrector.combine(last))
+        self._apply(last, meta, float(grad_scale))
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reduced gradient in flight (waited for: the same on every rank) with how to read it, and the
+        corrector's history. Collective: every rank calls it (each waits for its own reduce)."""
+        reduced = self.delayed.settle()
+        meta = self._pending_meta
+        pending = None
+        if reduced is not None and meta is not None:
+            pending = {"reduced": reduced.detach().cpu().clone(),
+                       **{k: meta[k] for k in ("positions", "size", "world", "base", "digits", "layout")},
+                       "shapes": [tuple(p.shape) for p in meta["params"]]}
+        return {"mode": self.mode, "pending": pending, "corrector": self.corrector.state_dict(),
+                "corrected_layout": self._corrected_layout}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the saved reduced gradient back in flight (it is applied by the next step) and restore the
+        corrector. A saved gradient whose parameters no longer match the optimizer's raises a ``ValueError``."""
+        self.corrector.load_state_dict(state["corrector"])
+        self._corrected_layout = state.get("corrected_layout")
+        pending = state.get("pending")
+        if pending is None:
+            self.delayed.restore(None)
+            self._pending_meta = None
+            return
+        candidates = self.candidates()
+        positions = list(pending["positions"])
+        ok = all(0 <= i < len(candidates) for i in positions)
+        params = [candidates[i] for i in positions] if ok else []
+        if not ok or [tuple(p.shape) for p in params] != [tuple(s) for s in pending["shapes"]]:
+            raise ValueError(
+                "aggregation='pseudo_sync': the checkpoint's gradient in flight was reduced for parameters of shapes "
+                f"{pending['shapes']}, which the optimizer's parameters do not match. HINT: resume with the model "
+                "and optimizer the checkpoint was saved with."
+            )
+        device = params[0].device if params else torch.device("cpu")
+        self.delayed.restore(pending["reduced"].to(device))
+        self._pending_meta = {"params": params, **{k: pending[k] for k in
+                                                   ("positions", "size", "world", "base", "digits", "layout")}}
 
 
 def _describe(x: object) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from hetero_plugins.aggregation.base import Aggregator, StepContext
 from hetero_plugins.aggregation.microbatch import MicroBatch
-from hetero_plugins.aggregation.options import AggregationOptions
+from hetero_plugins.aggregation.options import AggregationOptions  # noqa: F401 - the doctest uses it
 
 __all__ = ["WeightedAggregator"]
 

@@ -179,7 +179,8 @@ class AggregatingOptimizer(torch.optim.Optimizer):
       by the samples each rank processed since the last average.
 
     ``micro_batches(batch)`` yields ``batch`` once in the modes that do not cut steps, and :meth:`flush` does
-    nothing outside ``pseudo_sync``, so one loop works for every mode.
+    nothing outside ``pseudo_sync`` and ``local_sgd`` (which averages a window the loop stopped inside), so one
+    loop works for every mode.
 
     A :meth:`step` with no backward pass (and no ``micro_batches`` loop) since the previous step only
     initialises the optimizer's state: it steps the wrapped optimizer on the gradients as they are, with no
@@ -448,9 +449,10 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         return loss
 
     def flush(self) -> bool:
-        """``pseudo_sync``: apply the last step's gradient, still in flight; call it after the last step.
+        """``pseudo_sync``: apply the last step's gradient, still in flight; ``local_sgd``: average the models if
+        steps were taken since the last average (a loop stopped inside a window). Call it after the last step.
 
-        Returns whether a gradient was applied (always ``False`` in the other modes). Every rank must call it.
+        Returns whether a gradient was applied (always ``False`` outside ``pseudo_sync``). Every rank must call it.
         """
         if not self.aggregator.flush():
             return False
