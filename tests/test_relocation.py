@@ -82,6 +82,20 @@ def test_a_predicted_time_model_is_replaced_by_measurements():
     assert m.predict(32) == pytest.approx(0.148, rel=0.02)
 
 
+def test_measured_levels_reshape_a_predicted_line():
+    # The prediction has the right slope but half the fixed cost: every measured step is 8-13% slower than
+    # predicted, inside the change threshold, so no change point fires and only the fit can correct the shape.
+    m = LinearTimeModel.from_params(TimeModelParams(0.002, 0.0006), 38)
+    rng = np.random.default_rng(0)
+    for b in [38, 23] * 15:  # about an epoch at each of two batch sizes, 1% noise
+        m.observe(b, (0.004 + 0.0006 * b) * (1 + 0.01 * rng.standard_normal()))
+    p = m.params()
+    # The measured fixed cost wins over the predicted one (noise-free seed points used to fix it for good).
+    assert p.intercept == pytest.approx(0.004, rel=0.1)
+    assert p.slope == pytest.approx(0.0006, rel=0.05)
+    assert m.predict(4) == pytest.approx(0.0064, rel=0.05)
+
+
 @pytest.mark.parametrize("name", ["elastic", "interference"])
 def test_relocation_in_the_simulator_beats_staying(name):
     stay = [simulate(name, "auto", seed=s)["steady_samples_per_s"] for s in (0, 1)]

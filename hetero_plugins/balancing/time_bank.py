@@ -344,6 +344,24 @@ class TimeModelBank:
         self._np[r], self._ps[r], self._nobs[r] = 0, 0, 0
         self._lines = None
 
+    def mark_predicted(self, rows: Sequence[int]) -> None:
+        """The levels of ``rows`` are a prediction (a seeded line's noise-free points), not measurements: their
+        noise is unknown rather than zero, and their fixed cost is as precise as one fit of levels that each err
+        by a third of the change threshold, about an epoch's measurements. Noise-free points would otherwise give
+        the predicted fixed cost a precision that no measured fit outweighs, so a rank's own levels could never
+        reshape a predicted line: a slot priced on its device's line, whose saturation plateau none of its
+        measured ranks had reached, kept the line's slope for every later fit of the moved rank, and each level
+        measured on the plateau read as a change point."""
+        r = np.unique(self._rows("rows", rows))
+        if len(r) == 0:
+            return
+        self._var[r] = np.nan
+        self._kappa[r], self._kprec[r] = np.nan, 0.0
+        self._klo[r], self._khi[r] = np.nan, np.nan
+        self._kbmin[r], self._kbmax[r] = np.inf, -np.inf
+        self._refit(r)
+        self._lines = None
+
     def _rows(self, name: str, rows: Any) -> np.ndarray:
         """``rows`` as an array of rank indices in ``[0, size)``, else a ``ValueError`` naming ``name``."""
         r = np.asarray(rows).ravel()

@@ -136,7 +136,10 @@ class LinearTimeModel:
 
         The line enters as four noise-free observations at ``batch_size`` and at 60% of it, so it has the
         weight of a few steps: measured steps replace it within a half-life, and a prediction more than
-        ``change_threshold`` off is dropped after ``change_steps`` steps by the change-point test.
+        ``change_threshold`` off is dropped after ``change_steps`` steps by the change-point test. Its fixed cost
+        (the intercept-to-slope ratio) is held only as firmly as one fit of measured levels
+        (:meth:`TimeModelBank.mark_predicted`), so a prediction off by less than the threshold is reshaped by the
+        rank's own measurements instead of being kept for good.
 
         Example::
 
@@ -149,6 +152,7 @@ class LinearTimeModel:
         lo = max(1, min(hi - 1, int(round(0.6 * hi))))
         sizes = np.array([lo, hi] * 4, dtype=np.float64)
         model._bank.observe(sizes[None, :], np.array([params.predict(b) for b in sizes])[None, :])
+        model._bank.mark_predicted([model._row])
         return model
 
     def observe(self, batch_size: float, seconds: float) -> None:
