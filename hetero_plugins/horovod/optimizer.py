@@ -460,6 +460,36 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad()
         return True
 
+    def synchronize(self) -> None:
+        """``"weighted"``: Horovod's ``synchronize()``, with its wait bounded by the exchange's timeout as in
+        :meth:`step`: the gradient all-reduces end (those of parameters that got no gradient are started first, as
+        Horovod starts them) and ``.grad`` holds the step's sample-weighted gradient, e.g. to clip it before
+        ``with optimizer.skip_synchronize(): optimizer.step()``. A stalled peer raises
+        :class:`~hetero_plugins.collectives.CollectiveError` naming it instead of hanging.
+
+        The other modes exchange the gradients inside :meth:`step`, so there is nothing to synchronize before it,
+        and calling it raises a ``RuntimeError`` that says so.
+        """
+        if self.aggregation.explicit_sync:
+            raise RuntimeError(
+                f"optimizer.synchronize() applies to aggregation='weighted' only: aggregation="
+                f"{self.aggregation.mode!r} exchanges the gradients inside optimizer.step(), so .grad holds this "
+                "rank's own gradient until then. HINT: drop the synchronize() / skip_synchronize() calls and call "
+                "optimizer.step()."
+            )
+        comm = self.aggregator.comm
+        try:
+            if hasattr(comm, "wait_all"):
+                wait_for_gradients(self.optimizer, comm, GRADIENT_ALLREDUCE)
+            self.optimizer.synchronize()
+        except CollectiveError:
+            raise
+        except RuntimeError as err:
+            failure = getattr(comm, "failure", None)
+            if failure is None or not is_transport_failure(err):
+                raise
+            raise failure(GRADIENT_ALLREDUCE, err) from err
+
     # ------------------------------------------------------------------ internals
     def _step_inner(self, closure: Any, explicit: bool) -> Any:
         """Step the wrapped optimizer. ``"weighted"``: first start the gradient all-reduces the backward pass did not

@@ -68,12 +68,14 @@ def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available,
     assert re.search(r"allreduce|allgather|broadcast|add\(", message), message
 
 
-@pytest.mark.parametrize("kind", ["plain", "lightning"])
+@pytest.mark.parametrize("kind", ["plain", "plain_sync", "lightning"])
 def test_a_stalled_rank_with_an_unused_parameter_ends_within_the_timeout(horovod_available, tmp_path, kind):
     """A parameter that got no gradient has no all-reduce until Horovod's ``synchronize()`` starts one, which it
     then waited for without a bound (the job hung as long as the peer stalled, ``HETERO_PLUGINS_TIMEOUT``
     ignored). Rank 1 sleeps 60 s after its backward pass (``"weighted"`` ``hh.DistributedOptimizer``, or
-    ``HeteroHorovodStrategy``'s ``post_backward``); rank 0 must raise within the timeout, naming rank 1."""
+    ``HeteroHorovodStrategy``'s ``post_backward``; ``plain_sync``: the user calls ``optimizer.synchronize()`` to
+    clip the gradients, then steps inside ``skip_synchronize()``); rank 0 must raise within the timeout, naming
+    rank 1."""
     env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
     res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
                    str(tmp_path), f"stall:{kind}"], timeout=90, env=env)

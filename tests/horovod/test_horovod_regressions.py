@@ -5,6 +5,7 @@ the docs give. Each test failed before its fix:
 - ``torch.autograd.grad`` over the parameters (a gradient penalty) went through the weighting's tensor hooks:
   its gradients came back scaled by b_i / B and every call counted as a step, so later steps got wrong weights.
 - ``optimizer.zero_grad(set_to_none=False)`` set the gradients to ``None`` in ``"weighted"``.
+- ``optimizer.synchronize()`` (Horovod's clipping pattern) waited for the gradient all-reduces without a bound.
 - ``"deadline"``: the samples a rank carried were in no ``state_dict``, so a mid-epoch checkpoint lost them, and
   ``load_state_dict`` (an elastic rollback) kept a carry that no longer applied.
 - ranks that disagreed on ``locality`` were not told; ``load_state_dict`` swallowed every ``ValueError``.
@@ -61,6 +62,15 @@ def test_zero_grad_set_to_none_false_zeroes_in_place(job):
     for r, res in enumerate(phase(job, "zero_grad")):
         assert res["zeroed"], (r, res)  # zero tensors, not None
         assert res["worst"] < 1e-9, (r, res)
+
+
+def test_synchronize_then_clip_then_step_is_bounded_and_exact(job):
+    """``optimizer.synchronize()`` went to Horovod's own, whose wait has no bound; now it waits as ``step()`` does
+    (the stall itself: ``test_horovod_faults.py``, ``plain_sync``). The clipped steps still equal one process."""
+    for r, res in enumerate(phase(job, "synchronize")):
+        assert res["worst"] < 1e-9 and res["steps_counted"] and res["n_steps"] == 16, (r, res)
+        assert res["explicit_error"] and "aggregation='weighted' only" in res["explicit_error"], (r, res)
+        assert "HINT" in res["explicit_error"], (r, res)
 
 
 def test_deadline_checkpoint_keeps_the_carried_samples(job):

@@ -10,8 +10,9 @@
                after writing ``frozen``; the others must end with an error naming rank R and the collective
                (``HETERO_PLUGINS_TIMEOUT`` and ``HOROVOD_GLOO_TIMEOUT_SECONDS`` bound the wait), which each
                writes whole to ``error_rank{r}.txt``.
-    stall:K    a model with a parameter no step gives a gradient (an unused head), ``K`` ``plain`` (``"weighted"``)
-               or ``lightning`` (``HeteroHorovodStrategy``): at step 2 rank 1 sleeps 60 s after its backward pass,
+    stall:K    a model with a parameter no step gives a gradient (an unused head), ``K`` ``plain`` (``"weighted"``),
+               ``plain_sync`` (the same, calling ``optimizer.synchronize()`` before a clipped ``step()``) or
+               ``lightning`` (``HeteroHorovodStrategy``): at step 2 rank 1 sleeps 60 s after its backward pass,
                before the optimizer step, after writing ``frozen`` (Horovod's background thread runs on, so Horovod
                never fails by itself). Horovod's ``synchronize()`` starts the unused parameter's all-reduce only
                then, and rank 0 must give up on it within ``HETERO_PLUGINS_TIMEOUT`` (``error_rank0.txt``).
@@ -157,7 +158,7 @@ def stall(out: str, kind: str) -> None:
     rank = hvd.rank()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(320, 8, generator=g), torch.randint(0, 3, (320,), generator=g))
-    if kind == "plain":
+    if kind in ("plain", "plain_sync"):
         model = _WithUnusedHead()
         sampler = hh.HeteroBatchSampler(len(data), batch_size=8, seed=0)
         opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -169,7 +170,13 @@ def stall(out: str, kind: str) -> None:
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 if rank == 1 and step == 2:
                     _stall(out)
-                opt.step()
+                if kind == "plain_sync":  # Horovod's clipping pattern: synchronize, clip, step without it
+                    opt.synchronize()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    with opt.skip_synchronize():
+                        opt.step()
+                else:
+                    opt.step()
         except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
             _record(out, rank, err)
             raise

@@ -10,6 +10,9 @@ every rank writes what it saw to ``argv[1]/rank{r}.json`` (the tests assert on b
                     ``groups=2`` (a group left incomplete) and a sparse embedding; exact to 1e-9 each.
     zero_grad       ``"weighted"``: ``optimizer.zero_grad(set_to_none=False)`` leaves zero tensors (not ``None``)
                     and training stays exact.
+    synchronize     ``"weighted"``, Horovod's clipping pattern (``optimizer.synchronize()``, clip, step inside
+                    ``skip_synchronize()``) with an unused parameter: exact against one process clipping the
+                    union's gradient alike, to 1e-9; in ``"deadline"`` ``synchronize()`` raises and says why.
     deadline        ``"deadline"`` checkpoints mid-epoch while rank 1 carries samples: an elastic-style rollback
                     on the same objects, a resume into fresh objects from every rank's own state, and a resume
                     from rank 0's state on every rank (rank 1 warns with its lost samples).
@@ -44,9 +47,12 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def weighted_run(model: torch.nn.Module, loss_of: Any, n: int = 64, epochs: int = 1, zero_to_none: bool = True,
-                 lr: float = 0.1, momentum: float = 0.9, inputs: Any = None, **opt_kwargs: Any) -> dict[str, Any]:
+                 lr: float = 0.1, momentum: float = 0.9, inputs: Any = None, clip: float | None = None,
+                 **opt_kwargs: Any) -> dict[str, Any]:
     """Train ``model`` under ``"weighted"`` with plan [3, 5] and a reference copy on every step's rank-weighted
-    losses; ``loss_of(model, x, y)`` is a rank's loss. Returns the worst difference and what it saw."""
+    losses; ``loss_of(model, x, y)`` is a rank's loss. ``clip``: Horovod's clipping pattern (``synchronize()``,
+    clip the gradient norm to ``clip``, step inside ``skip_synchronize()``), the reference clipped alike.
+    Returns the worst difference and what it saw."""
     g = torch.Generator().manual_seed(0)
     x_all = torch.randn(n, 6, generator=g, dtype=torch.float64) if inputs is None else inputs(g, n)
     y_all = torch.randint(0, 3, (n,), generator=g)
@@ -66,12 +72,20 @@ def weighted_run(model: torch.nn.Module, loss_of: Any, n: int = 64, epochs: int 
                 zeroed.append(all(p.grad is None if zero_to_none else p.grad is not None and not p.grad.any()
                                   for p in model.parameters()))
             loss_of(model, x, y).backward()
-            opt.step()
+            if clip is None:
+                opt.step()
+            else:
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                with opt.skip_synchronize():
+                    opt.step()
             steps.append(sampler.steps_done == k + 1)
             pieces = hvd.allgather_object((x, y), name=f"union.{epoch}.{k}")  # every rank's batch
             total = sum(xi.shape[0] for xi, _ in pieces)
             ref_opt.zero_grad()
             sum(loss_of(ref, xi, yi) * (xi.shape[0] / total) for xi, yi in pieces).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             ref_opt.step()
             worst = max(worst, max_diff(model, ref))
     return {"worst": worst, "steps_counted": all(steps), "n_steps": len(steps), "zeroed": all(zeroed),
@@ -130,6 +144,23 @@ def phase_zero_grad() -> dict[str, Any]:
         return torch.nn.functional.cross_entropy(m(x), y)
 
     return weighted_run(WithUnused(), loss_of, zero_to_none=False, epochs=2)
+
+
+def phase_synchronize() -> dict[str, Any]:
+    def loss_of(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    out = weighted_run(WithUnused(), loss_of, epochs=2, clip=0.05)  # 0.05: most steps are clipped
+    model = mlp()
+    sampler = hh.HeteroBatchSampler(64, batch_size=4, seed=3)
+    opt = hh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                  batch_sampler=sampler, aggregation="deadline")
+    try:
+        opt.synchronize()
+        out["explicit_error"] = None
+    except RuntimeError as err:
+        out["explicit_error"] = str(err)
+    return out
 
 
 # ------------------------------------------------------------------ deadline checkpoints
@@ -258,6 +289,7 @@ def phase_load_error() -> dict[str, Any]:
 
 
 PHASES = {"autograd_grad": phase_autograd_grad, "unused": phase_unused, "zero_grad": phase_zero_grad,
+          "synchronize": phase_synchronize,
           "deadline": phase_deadline, "locality": phase_locality, "load_error": phase_load_error}
 
 
