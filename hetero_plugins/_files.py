@@ -15,7 +15,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["read_shipped_or_file", "write_atomic"]
+__all__ = ["check_output_path", "read_shipped_or_file", "write_atomic"]
 
 
 def read_shipped_or_file(source: str | os.PathLike[str] | None, package: str, resource: str, arg: str,
@@ -33,6 +33,41 @@ def read_shipped_or_file(source: str | os.PathLike[str] | None, package: str, re
     if not p.is_file():
         raise ValueError(f"`{arg}`={str(source)!r} is not a file. HINT: {hint}")
     return p.read_bytes(), f"{what} {str(p)!r}"
+
+
+def check_output_path(path: str | os.PathLike[str], arg: str, folder: bool = False) -> Path:
+    """``path`` if a command can write its output there, else a ``ValueError`` naming the argument ``arg``, the
+    value and the fix: checked before the work, so a bad path is not found after it.
+
+    ``folder=False``: ``path`` is a file to write (it may exist; it must not be a directory). ``folder=True``:
+    ``path`` is a folder to create or write files in (it must not be a file). In both cases the nearest existing
+    folder on the way must be a writable directory (missing folders are created when the output is written).
+    """
+    p = Path(path)
+    text = str(path)
+    if not text.strip():
+        raise ValueError(f"`{arg}` is empty. HINT: give a {'folder' if folder else 'file'} path.")
+    if folder:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"`{arg}`={text!r} is a file, not a folder. HINT: give a folder path (it is created "
+                             "if needed), or move the file away.")
+    elif p.is_dir():
+        raise ValueError(f"`{arg}`={text!r} is a directory. HINT: give a file path, e.g. {str(p / 'out')!r}.")
+    elif p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"`{arg}`={text!r} exists and is not writable. HINT: make it writable or choose another "
+                         "path.")
+    anc = p if folder and p.is_dir() else p.parent
+    while not anc.exists() and anc != anc.parent:
+        if anc.is_symlink():  # a dangling link on the way
+            break
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ValueError(f"`{arg}`={text!r} cannot be written: {str(anc)!r} is not a directory. HINT: choose a "
+                         "path under an existing folder.")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ValueError(f"`{arg}`={text!r} cannot be written: the folder {str(anc)!r} is not writable. HINT: "
+                         "choose a path in a folder you can write, or fix its permissions.")
+    return p
 
 
 def _umask() -> int | None:

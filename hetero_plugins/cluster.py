@@ -201,18 +201,40 @@ def _no_constant(name: str) -> Any:
 
 def read_cluster(source: ClusterSource, epoch: int, world_size: int, hosts: Sequence[str] | None = None) -> ClusterView:
     """The placement for ``epoch`` from a file (read now) or a callable (called with ``epoch``); ``hosts``: each
-    rank's host, for the ``slots`` form."""
+    rank's host, for the ``slots`` form.
+
+    Raises:
+        ValueError: the file is missing (also when it vanishes while being read), unreadable, not UTF-8, not
+            JSON, or not a valid description; the message names the file and the fix. At an epoch boundary the
+            integrations catch it, warn once per message and decide without the new description, keeping the
+            placement in force (:class:`~hetero_plugins.scheduler.cluster_advisor.ClusterAdvisor`).
+    """
     if callable(source):
         spec = source(epoch)
         origin = f"cluster({epoch})"
     else:
         path = Path(source)
+        missing = (f"cluster file {str(path)!r} does not exist. HINT: write it before training (see "
+                   f"hetero_plugins.cluster), or unset `cluster` / {CLUSTER_ENV}; a manager should replace it "
+                   "atomically (write a temporary file, then rename), never delete it first.")
         if not path.is_file():
-            what = "is not a file" if path.exists() else "does not exist"
-            raise ValueError(f"cluster file {str(path)!r} {what}. HINT: write it before training (see "
-                             f"hetero_plugins.cluster), or unset `cluster` / {CLUSTER_ENV}.")
+            if path.exists():
+                raise ValueError(f"cluster file {str(path)!r} is not a file. HINT: write it before training (see "
+                                 f"hetero_plugins.cluster), or unset `cluster` / {CLUSTER_ENV}.")
+            raise ValueError(missing)
+        try:  # the file can vanish or change between the check and the read (a manager rewriting it)
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(missing) from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"cluster file {str(path)!r} is not UTF-8 text ({err}). HINT: write the description "
+                             "as UTF-8 JSON (see hetero_plugins.cluster).") from None
+        except OSError as err:
+            raise ValueError(f"cluster file {str(path)!r} cannot be read ({type(err).__name__}: {err}). HINT: make "
+                             "it readable by the training job, or unset `cluster` / "
+                             f"{CLUSTER_ENV}.") from None
         try:
-            spec = json.loads(path.read_text(), parse_constant=_no_constant)
+            spec = json.loads(text, parse_constant=_no_constant)
         except RecursionError:
             raise ValueError(f"cluster file {str(path)!r} is nested too deeply to be a cluster description. HINT: "
                              "write the flat form of hetero_plugins.cluster (ranks, free_slots or slots).") from None

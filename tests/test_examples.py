@@ -104,6 +104,7 @@ def test_demo_command_runs_end_to_end(tmp_path):
         bar = re.escape(label) + r": 100%\|.*\| 46/46 \[[0-9:]+<00:00, +[0-9.]+(step/s|s/step)"
         assert re.search(bar, screen), label
     assert f"hetero-plugins report {out / 'run'}" in screen
+    assert (out / "run" / ".hetero_demo_run").is_file()  # marks run/ as the demo's own: a later demo may replace it
     assert (out / "plot.png").stat().st_size > 10_000
     results = json.loads((out / "results.json").read_text())
     assert len(results["ddp"]["epochs"]) == len(results["hetero"]["epochs"]) == 2

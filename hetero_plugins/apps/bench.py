@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from hetero_plugins._files import check_output_path
 from hetero_plugins.apps.jobs import run_digits_job, steady_mean
 
 __all__ = ["main"]
@@ -136,6 +139,30 @@ def update_readme(readme: Path, text: str) -> bool:
     return True
 
 
+#: What the table reads of ``--horovod-json`` (benchmarks/horovod_bench.py writes them).
+HOROVOD_KEYS = ("steady_epoch_time_stock", "steady_epoch_time_hetero", "speedup", "fraction_of_ideal", "ideal_speedup")
+
+
+def read_horovod_json(path: str) -> dict[str, Any]:
+    """The Horovod results of ``--horovod-json`` for the table; ``ValueError`` naming the flag, the file and the fix."""
+    fix = "run `python benchmarks/horovod_bench.py` first (it writes bench_output/horovod.json), or leave --horovod-json out"
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"`--horovod-json`={path!r} {'is not a file' if p.exists() else 'does not exist'}. HINT: {fix}.")
+    try:
+        hv = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"`--horovod-json`={path!r} cannot be read as JSON ({err}). HINT: {fix}.") from None
+    if not isinstance(hv, dict):
+        raise ValueError(f"`--horovod-json`={path!r} holds a {type(hv).__name__}, not the object horovod_bench.py "
+                         f"writes. HINT: {fix}.")
+    for key in HOROVOD_KEYS:
+        v = hv.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"`--horovod-json`={path!r}: field `{key}`={v!r} must be a finite number. HINT: {fix}.")
+    return {k: v for k, v in hv.items() if k not in ("stock", "hetero")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetero-plugins bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,6 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--horovod-json", default=None,
                         help="results of benchmarks/horovod_bench.py to include in the table (run first)")
     args = parser.parse_args(argv)
+    # everything checked before the first run (the benchmarks take minutes)
+    if args.epochs < 3:
+        print(f"error: `--epochs` must be >= 3 (epochs 2.. are the steady ones measured), got {args.epochs}. "
+              "HINT: e.g. --epochs 12", file=sys.stderr)
+        return 2
+    if Path(args.readme).is_dir():
+        print(f"error: `--readme`={args.readme!r} is a directory. HINT: give the README file whose bench table is "
+              "rewritten, e.g. --readme README.md", file=sys.stderr)
+        return 2
+    try:
+        check_output_path(args.out, "--out", folder=True)
+        hv = None if args.horovod_json is None else read_horovod_json(args.horovod_json)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     t0 = time.perf_counter()
     results: dict[str, Any] = {
@@ -152,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         "homogeneous": scenario_homogeneous(5),
         "slowdown": scenario_slowdown(6),
     }
-    if args.horovod_json and Path(args.horovod_json).exists():
-        hv = json.loads(Path(args.horovod_json).read_text())
-        results["horovod"] = {k: v for k, v in hv.items() if k not in ("stock", "hetero")}
+    if hv is not None:
+        results["horovod"] = hv
     results["meta"] = {"date": time.strftime("%Y-%m-%d"), "seconds": time.perf_counter() - t0,
                        "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"}
     out = Path(args.out)

@@ -2,22 +2,30 @@
 HeteroDDPStrategy, with a table and a plot of batch sizes and epoch times.
 
 The HeteroDDPStrategy run keeps what a user's run leaves behind (Lightning's CSV log and checkpoint) in
-``<out>/run``; ``make demo`` ends with ``hetero-plugins report <out>/run``, the command a user runs on a run."""
+``<out>/run``; ``make demo`` ends with ``hetero-plugins report <out>/run``, the command a user runs on a run.
+
+A demo replaces the ``<out>/run`` of an earlier demo (it holds the file ``.hetero_demo_run``), so the report shows
+one run; it refuses to touch an ``<out>/run`` it did not write (choose another ``--out``, or move that folder)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hetero_plugins._files import check_output_path
 from hetero_plugins.apps.jobs import run_digits_job, steady_mean
 from hetero_plugins.progress import is_quiet
 
-__all__ = ["ideal_speedup", "main", "render_table"]
+__all__ = ["DEMO_MARKER", "ideal_speedup", "main", "render_table"]
+
+#: The file that marks ``<out>/run`` as a demo's own run folder, which a later demo may replace.
+DEMO_MARKER = ".hetero_demo_run"
 
 
 def ideal_speedup(speeds: Sequence[float]) -> float:
@@ -88,6 +96,18 @@ def plot(ddp: dict[str, Any], hetero: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _older_demo(out: Path) -> bool:
+    """Whether ``out`` holds the output of a demo from before :data:`DEMO_MARKER`: its ``results.json`` beside
+    ``run/``, whose only entry is the ``lightning_logs`` folder of the CSV logger."""
+    try:
+        results = json.loads((out / "results.json").read_text())
+        entries = [p.name for p in (out / "run").iterdir()]
+    except (OSError, ValueError):
+        return False
+    return (isinstance(results, dict) and {"speeds", "ddp", "hetero"} <= set(results)
+            and entries == ["lightning_logs"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetero-plugins demo", description=__doc__)
     parser.add_argument("--epochs", type=int, default=6, help="epochs per run (default 6)")
@@ -95,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-per-sample", type=float, default=0.002, help="emulated seconds per sample at speed 1")
     parser.add_argument("--out", default="demo_output",
                         help="folder for results.json, plot.png and run/ (the HeteroDDPStrategy run's log and "
-                        "checkpoint)")
+                        "checkpoint; an earlier demo's run/ is replaced, any other run/ is refused)")
     args = parser.parse_args(argv)
     try:
         speeds = [float(s) for s in args.speeds.split(",")]
@@ -106,9 +126,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.epochs < 2:
         parser.error(f"--epochs must be >= 2 (the first epoch measures, later ones are balanced), got {args.epochs}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
-    shutil.rmtree(run_dir, ignore_errors=True)  # the demo's own run: one run per demo, so the report shows it
+    try:
+        check_output_path(out, "--out", folder=True)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if run_dir.exists() or run_dir.is_symlink():
+        ours = (run_dir.is_dir() and not run_dir.is_symlink()
+                and ((run_dir / DEMO_MARKER).is_file() or not any(run_dir.iterdir()) or _older_demo(out)))
+        if not ours:
+            print(f"error: `--out`={args.out!r} holds {str(run_dir)!r}, which an earlier demo did not write (no "
+                  f"{DEMO_MARKER} in it), and the demo writes its run there. HINT: choose another --out, or move "
+                  f"{str(run_dir)!r} away if you no longer need it.", file=sys.stderr)
+            return 2
+        shutil.rmtree(run_dir)  # an earlier demo's run: one run per demo, so the report shows this one
+    run_dir.mkdir(parents=True)
+    (run_dir / DEMO_MARKER).write_text("written by `hetero-plugins demo`; a later demo with the same --out replaces "
+                                       "this folder\n")
     t0 = time.perf_counter()
     say = (lambda text: None) if is_quiet() else (lambda text: print(text, flush=True))
     say(f"hetero-plugins demo: digits CNN, {len(speeds)} CPU ranks emulated at speeds {speeds}, "

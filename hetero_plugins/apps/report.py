@@ -12,6 +12,10 @@
 - a restart spec (``hetero_restart.json``), which is also read when it lies beside or above any of the above:
   relocations and the restarts that applied them.
 
+A plan-history entry or a restart spec given as ``RUN`` that is malformed (an entry without its ``epoch``, batch
+sizes that are not ints, a spec field of the wrong type) is refused with exit code 2, naming the file, the entry
+and the field; a malformed spec found beside a readable run is left out, and the summary says why.
+
 The picture has six panels: batch size per rank over epochs (with plan changes inside epochs), each rank's
 measured throughput against the plan's prediction, measured against predicted epoch time with relocations and
 restarts marked, straggler level and idle fraction, GPU utilisation per rank (CPU load where no GPU was
@@ -261,22 +265,24 @@ def _draw_batch_sizes(ax: Any, h: Sequence[Mapping[str, Any]], colors: list[Any]
     rows = [e for e in h if e.get("batch_sizes")]
     if not rows:
         return _note(ax, "no per-rank batch sizes in this source\n(a stock DDP run with StragglerMonitor?)")
-    n, drawn = len(rows[0]["batch_sizes"]), 0
+    n, drawn = max(len(e["batch_sizes"]) for e in rows), 0  # the world may grow or shrink (elastic runs)
     for r in range(n):
         c = colors[r % len(colors)]
         xs, ys, changes = [], [], []
-        for e in rows:
+        mine = [e for e in rows if r < len(e["batch_sizes"])]
+        for e in mine:
             xs.append(e["epoch"])
             ys.append(e["batch_sizes"][r])
             steps = _steps(e)
             for change in (e.get("plan_changes") or []) if steps else []:
-                xs.append(e["epoch"] + min(change["step"] / steps, 0.999))
-                ys.append(change["batch_sizes"][r])
-                changes.append((xs[-1], ys[-1]))
-        xs.append(rows[-1]["epoch"] + 1)
+                if r < len(change["batch_sizes"]):
+                    xs.append(e["epoch"] + min(change["step"] / steps, 0.999))
+                    ys.append(change["batch_sizes"][r])
+                    changes.append((xs[-1], ys[-1]))
+        xs.append(mine[-1]["epoch"] + 1)
         ys.append(ys[-1])
         ax.plot(xs, ys, drawstyle="steps-post", color=c, lw=1.8, label=f"rank {r}" if n <= 16 else None)
-        ax.plot([e["epoch"] for e in rows], [e["batch_sizes"][r] for e in rows], "o", color=c, ms=4)
+        ax.plot([e["epoch"] for e in mine], [e["batch_sizes"][r] for e in mine], "o", color=c, ms=4)
         if changes:
             ax.plot(*zip(*changes), "x", color=c, ms=7, mew=1.5)
         drawn += len(xs)
@@ -302,12 +308,14 @@ def _draw_throughput(ax: Any, h: Sequence[Mapping[str, Any]], colors: list[Any])
         return len(rows)
     ax.set_title("throughput per rank: measured (o), plan's prediction (--)", loc="left", fontsize=11)
     ax.text(0.02, 0.03, "prediction: batch / predicted step time", transform=ax.transAxes, fontsize=8, color="0.4")
-    n, drawn = len(rows[0]["throughput"]), 0
+    n, drawn = max(len(e["throughput"]) for e in rows), 0  # the world may grow or shrink (elastic runs)
     for r in range(n):
         c = colors[r % len(colors)]
-        pts = [(e["epoch"], e["throughput"][r]) for e in rows if e["throughput"][r] is not None]
-        ax.plot(*zip(*pts), "o-", color=c, lw=1.5, label=f"rank {r}" if n <= 16 else None)
-        pred = [(e["epoch"], p[r]) for e in rows if (p := predicted_rates(e)) is not None]
+        pts = [(e["epoch"], e["throughput"][r]) for e in rows if r < len(e["throughput"])
+               and e["throughput"][r] is not None]
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=c, lw=1.5, label=f"rank {r}" if n <= 16 else None)
+        pred = [(e["epoch"], p[r]) for e in rows if (p := predicted_rates(e)) is not None and r < len(p)]
         if pred:
             ax.plot(*zip(*pred), "--", color=c, lw=1.2)
         drawn += len(pts) + len(pred)

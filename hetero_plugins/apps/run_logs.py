@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunRecord", "SPEC_NAME", "load_run", "read_csv_scalars", "read_tensorboard_scalars"]
+__all__ = ["RunRecord", "SPEC_NAME", "check_history", "load_run", "read_csv_scalars", "read_tensorboard_scalars"]
 
 SPEC_NAME = "hetero_restart.json"
 _CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
@@ -65,15 +65,111 @@ def load_run(path: str | Path) -> RunRecord:
             "(Lightning's default ModelCheckpoint) or a logger (TensorBoardLogger, CSVLogger); then point this "
             "command at the checkpoint or at the run's folder.")
     record.notes = notes + record.notes
-    if record.kind != "restart spec" and record.restart_spec is None:
+    check_history(record.history, repr(str(record.source)))
+    if record.kind == "restart spec":
+        record.restart_spec = _check_spec(record.restart_spec, record.spec_path or record.source)
+    elif record.restart_spec is None:
         spec_path = _find_spec(p, record.source)
         if spec_path is not None:
-            record.restart_spec, record.spec_path = _read_json(spec_path), spec_path
+            try:  # a broken spec beside a readable run: report the run, say why the spec was left out
+                record.restart_spec, record.spec_path = _check_spec(_read_json(spec_path), spec_path), spec_path
+            except ValueError as err:
+                record.notes.append(f"skipped {err}")
     if record.world_size is None:
         sizes = [e.get("batch_sizes") for e in record.history if e.get("batch_sizes")]
         if sizes:
             record.world_size, record.global_batch = len(sizes[0]), int(sum(sizes[0]))
     return record
+
+
+def _check_spec(spec: Any, path: Path) -> dict[str, Any]:
+    """A restart spec read beside or as the run, the fields the report reads checked (``moves``, ``epoch``,
+    ``predicted_gain``, ``checkpoint``); ``ValueError`` naming the file, the field, the value and the fix."""
+    label = f"restart spec {str(path)!r}"
+    fix = ("HINT: it is written by hetero_plugins when a relocation is decided (write_relocation_spec); restore it, "
+           "or delete it to report the run without it.")
+    if not isinstance(spec, dict):
+        what = "is not readable JSON" if spec is None else f"is not a JSON object (got {type(spec).__name__})"
+        raise ValueError(f"{label} {what}. {fix}")
+    moves = spec.get("moves", [])
+    if not isinstance(moves, list):
+        raise ValueError(f"{label}: field `moves`={moves!r} must be a list of {{\"rank\", \"to_free_slot\"}}. {fix}")
+    for j, m in enumerate(moves):
+        if (not isinstance(m, dict) or not _is_int(m.get("rank")) or not _is_int(m.get("to_free_slot"))
+                or m["rank"] < 0 or m["to_free_slot"] < 0):
+            raise ValueError(f"{label}: field `moves[{j}]`={m!r} must be {{\"rank\": int >= 0, \"to_free_slot\": "
+                             f"int >= 0}}. {fix}")
+    epoch = spec.get("epoch")
+    if epoch is not None and (not _is_int(epoch) or epoch < 0):
+        raise ValueError(f"{label}: field `epoch`={epoch!r} must be an int >= 0 or null. {fix}")
+    gain = spec.get("predicted_gain")
+    if gain is not None and not _is_number(gain):
+        raise ValueError(f"{label}: field `predicted_gain`={gain!r} must be a finite number. {fix}")
+    checkpoint = spec.get("checkpoint")
+    if checkpoint is not None and not isinstance(checkpoint, str):
+        raise ValueError(f"{label}: field `checkpoint`={checkpoint!r} must be a file path. {fix}")
+    return spec
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: Per-epoch numbers of a history entry the report reads, and its per-rank lists of numbers.
+_ENTRY_NUMBERS = ("straggler_level", "idle_fraction", "samples_per_s", "measured_epoch_time", "predicted_epoch_time",
+                  "samples", "predicted_gain")
+_ENTRY_RANK_LISTS = ("throughput", "gpu_util", "cpu_percent")
+
+
+def check_history(history: Sequence[Any], label: str) -> None:
+    """``ValueError`` naming ``label``, the entry, the field and the value unless every entry of a plan history
+    holds what the report reads in the form the balancer writes it (``epoch``: an int >= 0; ``batch_sizes``: ints;
+    per-epoch numbers; per-rank lists of numbers; ``plan_changes``; ``relocation``)."""
+    fix = ("HINT: a plan history is what BatchBalancer.plan_history (or a sampler's) holds; fix or remove that entry, "
+           "or point the report at the run's checkpoint or log folder.")
+
+    def bad(where: str, value: Any, what: str) -> ValueError:
+        return ValueError(f"{label}: plan_history{where}={value!r} {what}. {fix}")
+
+    for k, e in enumerate(history):
+        if not isinstance(e, Mapping):
+            raise bad(f"[{k}]", e, "is not an object")
+        epoch = e.get("epoch")
+        if not _is_int(epoch) or epoch < 0:
+            raise bad(f"[{k}].epoch", epoch, "must be an int >= 0 (each entry names its epoch)")
+        sizes = e.get("batch_sizes")
+        if sizes is not None and (not isinstance(sizes, list) or not all(_is_int(b) and b >= 0 for b in sizes)):
+            raise bad(f"[{k}].batch_sizes", sizes, "must be a list of ints >= 0 (one per rank)")
+        for key in _ENTRY_NUMBERS:
+            v = e.get(key)
+            if v is not None and not _is_number(v):
+                raise bad(f"[{k}].{key}", v, "must be a finite number or null")
+        for key in _ENTRY_RANK_LISTS:
+            v = e.get(key)
+            if v is not None and (not isinstance(v, list) or not all(x is None or _is_number(x) for x in v)):
+                raise bad(f"[{k}].{key}", v, "must be a list of numbers (one per rank, null where unknown)")
+        changes = e.get("plan_changes")
+        if changes is not None:
+            if not isinstance(changes, list):
+                raise bad(f"[{k}].plan_changes", changes, "must be a list of {\"step\", \"batch_sizes\"} objects")
+            for j, c in enumerate(changes):
+                if (not isinstance(c, Mapping) or not _is_int(c.get("step")) or c["step"] < 0
+                        or not isinstance(c.get("batch_sizes"), list)
+                        or not all(_is_int(b) and b >= 0 for b in c["batch_sizes"])):
+                    raise bad(f"[{k}].plan_changes[{j}]", c, "must be {\"step\": int >= 0, \"batch_sizes\": [ints]}")
+        reloc = e.get("relocation")
+        if reloc is not None:
+            moves = reloc.get("moves") if isinstance(reloc, Mapping) else None
+            if (not isinstance(reloc, Mapping) or not isinstance(moves, list)
+                    or not all(isinstance(m, list) and len(m) == 2 and all(_is_int(x) for x in m) for m in moves)
+                    or (reloc.get("epoch") is not None and not _is_int(reloc["epoch"]))
+                    or (reloc.get("predicted_gain") is not None and not _is_number(reloc["predicted_gain"]))):
+                raise bad(f"[{k}].relocation", reloc, "must be {\"epoch\": int, \"moves\": [[rank, slot], ...], "
+                          "\"predicted_gain\": number, ...} or null")
 
 
 def _from_file(p: Path, notes: list[str]) -> RunRecord | None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hetero_plugins._files import check_output_path
 from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
 from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracle, simulate
@@ -24,15 +26,50 @@ DEFAULT_ALLOCATORS = "static,proportional,equal_finish,lbb,dqn,auto"
 
 
 def _allocators(text: str) -> list[str]:
+    """The names of ``--allocators``; ``ValueError`` naming the flag, the value and the fix."""
     names = [a.strip() for a in text.split(",") if a.strip()]
     if not names:
-        raise SystemExit("--allocators is empty. HINT: e.g. --allocators equal_finish,dqn,auto")
+        raise ValueError(f"`--allocators`={text!r} is empty. HINT: e.g. --allocators equal_finish,dqn,auto")
     for a in names:
         try:
             get_allocator(a)
-        except ValueError as err:
-            raise SystemExit(f"--allocators: {err}") from None  # the error lists the registered names
+        except ValueError:
+            raise ValueError(f"`--allocators`={text!r}: {a!r} is not an allocator. HINT: use names from "
+                             f"{sorted(ALLOCATORS)}, comma-separated, e.g. --allocators equal_finish,dqn,auto") from None
     return names
+
+
+def _error(message: str) -> int:
+    """Print a usage error; the exit code of one (2)."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _seed_error(seed: int | None) -> str | None:
+    """Why ``--seed`` is unusable (``None``: it is fine); every command checks it the same way."""
+    if seed is not None and seed < 0:
+        return f"`--seed` must be an int >= 0, got {seed}. HINT: e.g. --seed 0"
+    return None
+
+
+def _seconds_error(seconds: float, example: str) -> str | None:
+    """Why ``--seconds`` is unusable (``None``: it is fine): it must be a finite number > 0."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        return f"`--seconds` must be a finite number > 0, got {seconds}. HINT: e.g. --seconds {example}"
+    return None
+
+
+def _out_error(path: str, flag: str = "--out", folder: bool = False) -> str | None:
+    """Why the output path ``path`` cannot be written (``None``: it can), checked before the work."""
+    try:
+        check_output_path(path, flag, folder=folder)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _first(*errors: str | None) -> str | None:
+    return next((e for e in errors if e is not None), None)
 
 
 ANALYTIC = ("static", "proportional", "equal_finish", "lbb")
@@ -150,8 +187,17 @@ def simulate_main(argv: list[str] | None = None) -> int:
         print(f"error: `--replan-every` must be >= 1, got {args.replan_every}. HINT: e.g. --replan-every 5, or "
               "leave it out to plan at epoch ends only", file=sys.stderr)
         return 2
+    if (err := _seed_error(args.seed)) is not None:
+        return _error(err)
     if args.allocators is not None:
-        return _simulate_allocators(sc, args)
+        try:
+            names = _allocators(args.allocators)
+        except ValueError as err:
+            return _error(str(err))
+        try:
+            return _simulate_allocators(sc, args, names)
+        except ValueError as err:  # what the scenario's own checks cannot see: --epochs past its events
+            return _error(str(err))
     try:
         get_allocator(args.policy)
     except ValueError:
@@ -191,10 +237,10 @@ def _print_comparison(sc: Any, policy: str, out: dict[str, Any]) -> None:
           f"{out['decision_ms_per_epoch']['policy']:.2f} ms per epoch")
 
 
-def _simulate_allocators(sc: Any, args: argparse.Namespace) -> int:
-    """``simulate --allocators a,b,c``: one run per allocator, in one table."""
+def _simulate_allocators(sc: Any, args: argparse.Namespace, names: list[str]) -> int:
+    """``simulate --allocators a,b,c``: one run per allocator (``names``, checked), in one table."""
     results: dict[str, Any] = {}
-    for a in progress(_allocators(args.allocators), desc=f"simulate {sc.name}", unit="allocator"):
+    for a in progress(names, desc=f"simulate {sc.name}", unit="allocator"):
         alloc = get_allocator(a)
         r = simulate(sc, alloc, epochs=args.epochs, seed=args.seed,
                      relocation=default_relocation(alloc, sc, args.relocate or None), replan_every=args.replan_every)
@@ -234,10 +280,12 @@ def pretrain_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="DQN training budget (NCF: a third)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.seconds <= 0:
-        print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 60", file=sys.stderr)
-        return 2
     out = Path(args.out)
+    err = _first(_seconds_error(args.seconds, "60"), _seed_error(args.seed), _out_error(args.out, folder=True),
+                 *(_out_error(str(out / f"{k}_v1.npz"), "--out") for k in ("dqn", "ncf")
+                   if args.stage in (k, "both")))
+    if err is not None:
+        return _error(err)
     report: dict[str, Any] = {}
     if args.stage in ("dqn", "both"):
         _, report["dqn"] = pretrain_dqn(seconds=args.seconds, seed=args.seed, out=out / "dqn_v1.npz",
@@ -261,13 +309,16 @@ def transfer_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.scenario and args.scenario_pos and args.scenario != args.scenario_pos:
+        return _error(f"two scenarios given ({args.scenario_pos!r} and --scenario {args.scenario!r}). "
+                      "HINT: give only --scenario.")
     name = args.scenario or args.scenario_pos
     if name is None:
         print("error: no scenario given. HINT: hetero-plugins transfer --from MODEL --scenario NAME|FILE", file=sys.stderr)
         return 2
-    if args.seconds <= 0:
-        print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 20", file=sys.stderr)
-        return 2
+    err = _first(_seconds_error(args.seconds, "20"), _seed_error(args.seed), _out_error(args.out))
+    if err is not None:
+        return _error(err)
     if args.model is not None and not os.path.isfile(args.model):
         print(f"error: --from {args.model!r} is not a file. HINT: pass a model written by `hetero-plugins pretrain` "
               "or `transfer`, or leave --from out for the shipped one.", file=sys.stderr)
@@ -278,7 +329,8 @@ def transfer_main(argv: list[str] | None = None) -> int:
 
 def pretrain_placement_main(argv: list[str] | None = None) -> int:
     """Pre-train the learned relocation (the placement Q-network) on the train split of a generated scenario
-    family, keep the round best on its val split, and write the model file (resumes from its checkpoint)."""
+    family, keep the round best on its val split, and write the model file (an interrupted run resumes from its
+    checkpoint <out>.ckpt.npz when rerun with the same settings)."""
     from hetero_plugins.scheduler.placement_policy import PlacementNetwork
     from hetero_plugins.scheduler.placement_training import pretrain_placement
 
@@ -295,21 +347,31 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--episodes", type=int, default=12, help="behaviour episodes per round")
     parser.add_argument("--fit-steps", type=int, default=1000, help="gradient steps per round")
-    parser.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from scratch even if an unfinished run left a checkpoint (<out>.ckpt.npz)")
     parser.add_argument("--returns", default="rollout", choices=("rollout", "lines"),
                         help="each candidate's return: realised in a forked run (rollout) or from the true lines")
     parser.add_argument("--horizon", type=int, default=4, help="epochs a rollout return runs over")
     args = parser.parse_args(argv)
-    if args.seconds <= 0:
-        print(f"error: `--seconds` must be > 0, got {args.seconds}. HINT: e.g. --seconds 300", file=sys.stderr)
-        return 2
-    for name in ("train", "val", "episodes", "fit_steps", "horizon"):
-        if getattr(args, name) < 1:
+    if (err := _seconds_error(args.seconds, "300")) is not None:
+        return _error(err)
+    for name in ("train", "val", "episodes", "fit_steps", "horizon", "rounds"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             flag = name.replace("_", "-")
             print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 10", file=sys.stderr)
             return 2
-    def train() -> dict[str, Any]:
+    err = _first(_seed_error(args.seed), _out_error(args.out), _out_error(args.out + ".ckpt.npz", "--out's checkpoint"))
+    if err is not None:
+        return _error(err)
+    if args.init not in (None, "shipped") and not os.path.isfile(args.init):
+        return _error(f"`--init`={args.init!r} is not a file. HINT: pass 'shipped' or a model file written by "
+                      "`hetero-plugins pretrain-placement`, or leave --init out to start from a random network.")
+    try:
         init = None if args.init is None else PlacementNetwork.load(None if args.init == "shipped" else args.init)
+    except ValueError as err:  # not a placement model, or one built for other features: the error says which
+        return _error(f"`--init`={args.init!r}: {err}")
+
+    def train() -> dict[str, Any]:
         return pretrain_placement(seconds=args.seconds, seed=args.seed, out=args.out, family=args.family, net=init,
                                   train_count=args.train, val_count=args.val, episodes_per_round=args.episodes,
                                   max_rounds=args.rounds, resume=not args.no_resume,
@@ -320,7 +382,8 @@ def pretrain_placement_main(argv: list[str] | None = None) -> int:
 
 def pretrain_critic_main(argv: list[str] | None = None) -> int:
     """Train the planning relocator's critic (a learned correction of its rollout values) on the realised returns
-    of the candidate moves met in closed-loop runs of a generated family's train split, and write the model file."""
+    of the candidate moves met in closed-loop runs of a generated family's train split, and write the model file
+    (an interrupted run resumes from its checkpoint <out>.ckpt.npz when rerun with the same settings)."""
     from hetero_plugins.scheduler.placement_training import pretrain_critic
 
     parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-critic", description=pretrain_critic_main.__doc__)
@@ -340,6 +403,8 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-steps", type=int, default=3000, help="gradient steps per member")
     parser.add_argument("--workers", type=int, default=1, help="processes collecting the returns (same result)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from scratch even if an unfinished run left a checkpoint (<out>.ckpt.npz)")
     args = parser.parse_args(argv)
     for name in ("train", "seeds", "horizon", "forks", "members", "fit_steps", "workers"):
         if getattr(args, name) < 1:
@@ -351,11 +416,14 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
             print(f"error: `--{name}` must be in [0, 1], got {getattr(args, name)}. HINT: e.g. --{name} {example}",
                   file=sys.stderr)
             return 2
+    err = _first(_seed_error(args.seed), _out_error(args.out), _out_error(args.out + ".ckpt.npz", "--out's checkpoint"))
+    if err is not None:
+        return _error(err)
     return _train_and_report(args.out, lambda: pretrain_critic(
         out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
         explore=args.explore, horizon=args.horizon, forks=args.forks, tail=args.tail,
         members=args.members, steps=args.fit_steps,
-        seed=args.seed, workers=args.workers)[1])
+        seed=args.seed, workers=args.workers, resume=not args.no_resume)[1])
 
 
 def _train_and_report(out: str, train: Callable[[], dict[str, Any]]) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from hetero_plugins._files import read_shipped_or_file
+from hetero_plugins._files import read_shipped_or_file, write_atomic
 
 __all__ = ["FEATURES", "FEATURE_SCHEMA_VERSION", "DecisionContext", "mlp_arrays", "mlp_fit", "mlp_forward",
            "mlp_from_arrays", "mlp_random", "read_model", "write_model"]
@@ -200,14 +200,14 @@ def mlp_from_arrays(arrays: dict[str, np.ndarray]) -> Layers:
 
 
 def write_model(path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Path:
-    """Save ``arrays`` (float32) and a ``meta`` JSON header (schema version and features added) as ``.npz``."""
+    """Save ``arrays`` (float32) and a ``meta`` JSON header (schema version and features added) as ``.npz``,
+    atomically (:func:`~hetero_plugins._files.write_atomic`: an interrupted write leaves the old file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"schema_version": FEATURE_SCHEMA_VERSION, "features": list(FEATURES), **meta}
     payload = {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}
-    with open(path, "wb") as f:
-        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **payload)
-    return path
+    buf = io.BytesIO()
+    np.savez_compressed(buf, meta=np.array(json.dumps(meta)), **payload)
+    return write_atomic(path, buf.getvalue())
 
 
 def read_model(source: str | Path | None, kind: str, default: str, features: Sequence[str] | None = None,

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import io
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from hetero_plugins._files import write_atomic
 from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.balancing.allocators import equal_finish_time
 from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.candidates import places_after
+from hetero_plugins.scheduler.features import mlp_arrays, mlp_from_arrays
 from hetero_plugins.scheduler.placement_policy import LearnedRelocator, PlacementNetwork, candidate_decision
 from hetero_plugins.scheduler.relocation import Relocator
 from hetero_plugins.scheduler.sim import ClusterSim, load_scenario, simulate
@@ -217,6 +222,95 @@ def score(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
             "greedy_vs_none": float(np.mean(gn)), "worst_learned_vs_none": float(np.min(ln)), "scenarios": len(rows)}
 
 
+# ---------------------------------------------------------------------------------------------------- checkpoints
+#: The command-line flag of each setting a checkpoint records (named in the error on a mismatch).
+_FLAGS = {"family": "--family", "train_count": "--train", "val_count": "--val", "episodes_per_round": "--episodes",
+          "seed": "--seed", "fit_steps": "--fit-steps", "returns": "--returns", "horizon": "--horizon",
+          "init": "--init", "seeds": "--seeds", "explore": "--explore", "forks": "--forks", "tail": "--tail",
+          "members": "--members", "steps": "--fit-steps"}
+
+
+def _fingerprint(net: PlacementNetwork | None) -> str | None:
+    """A short hash of a network's weights (``None`` for none): what a checkpoint records of ``--init``."""
+    if net is None:
+        return None
+    h = hashlib.sha256()
+    for w, b in net.layers:
+        h.update(np.ascontiguousarray(w, dtype=np.float64).tobytes())
+        h.update(np.ascontiguousarray(b, dtype=np.float64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _settings(**settings: Any) -> dict[str, Any]:
+    """``settings`` as a checkpoint stores them (through JSON: tuples become lists)."""
+    return json.loads(json.dumps(settings))
+
+
+def _write_checkpoint(path: Path, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+    """Write a checkpoint atomically (an interrupted write leaves the previous one whole)."""
+    buf = io.BytesIO()
+    np.savez_compressed(buf, meta=np.array(json.dumps(dict(meta))), **arrays)
+    write_atomic(path, buf.getvalue())
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a finished run's checkpoint (and the side files of the older placement checkpoints)."""
+    for p in (path, Path(str(path) + ".net.npz"), Path(str(path) + ".best.npz")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _read_checkpoint(path: Path, settings: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The arrays and meta of the checkpoint ``path``; ``ValueError`` naming the file and the fix if it cannot be
+    read or was written by a run with other ``settings`` (naming the differing flags)."""
+    fresh = f"pass --no-resume (resume=False) to start from scratch, or delete {str(path)!r}"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: np.asarray(z[k]) for k in z.files if k != "meta"}
+            meta = json.loads(str(z["meta"]))
+        if not isinstance(meta, dict):
+            raise ValueError(f"its meta is a {type(meta).__name__}, not an object")
+    except Exception as err:  # noqa: BLE001 - a truncated zip, a missing member, bad JSON: the same advice
+        raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: {err}); it is truncated "
+                         f"or not a checkpoint of this command. HINT: {fresh}.") from None
+    saved = meta.get("settings")
+    if not isinstance(saved, dict):
+        raise ValueError(f"checkpoint {str(path)!r} records no settings (an older version wrote it), so whether it "
+                         f"belongs to this run cannot be checked. HINT: {fresh}.")
+    diff = [k for k in settings if saved.get(k) != settings[k]]
+    if diff:
+        parts = []
+        for k in diff:
+            flag = _FLAGS.get(k)
+            if k == "init":
+                parts.append("--init (another starting network than the checkpoint's run, "
+                             f"{'none' if saved.get(k) is None else 'fingerprint ' + str(saved.get(k))})")
+            elif flag is None:
+                parts.append(f"`{k}`={_show(settings[k])} (the checkpoint's run: {_show(saved.get(k))})")
+            else:
+                parts.append(f"{flag} {_show(settings[k])} (the checkpoint's run: {_show(saved.get(k))})")
+        raise ValueError(f"checkpoint {str(path)!r} was written by a run with other settings: {'; '.join(parts)}. "
+                         f"HINT: rerun with the checkpoint's settings to resume it, or {fresh}.")
+    return arrays, meta
+
+
+def _prefixed(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {f"{prefix}{k}": v for k, v in arrays.items()}
+
+
+def _unprefixed(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def _say_resuming(path: Path, done: int) -> None:
+    print(f"resuming from {path} ({done} round{'s' if done != 1 else ''} done; --no-resume starts from scratch)",
+          file=sys.stderr, flush=True)
+
+
 def pretrain_placement(
     seconds: float = 300.0,
     seed: int = 0,
@@ -240,8 +334,12 @@ def pretrain_placement(
     and ``horizon``: how each candidate's return is read (:data:`RETURNS`; realised over ``horizon`` epochs of
     a forked run by default).
 
-    With ``out`` and ``resume``, the samples and the round reached are checkpointed to ``<out>.ckpt.npz`` after
-    each round and a later call with the same ``out`` continues from there.
+    With ``out``, the samples, the networks, the random state and the round reached are checkpointed
+    (atomically) to ``<out>.ckpt.npz`` after each round, and with ``resume`` a later call with the same ``out``
+    and the same settings (all but ``seconds`` and ``max_rounds``) continues from there: the result is the one an
+    uninterrupted run would have given. A checkpoint written with other settings, or unreadable, raises
+    ``ValueError`` naming the differing settings and the fix (``resume=False``, or delete it). The checkpoint is
+    deleted once the model is written.
 
     Returns the kept network and the training statistics (samples, rounds, validation history).
     """
@@ -257,14 +355,24 @@ def pretrain_placement(
     ys = np.zeros(0)
     history: list[dict[str, Any]] = []
     best, best_val, rounds = cur.copy(), -np.inf, 0
+    settings = _settings(family=family, train_count=train_count, val_count=val_count,
+                         episodes_per_round=episodes_per_round, seed=seed, fit_steps=fit_steps, returns=returns,
+                         horizon=horizon, init=_fingerprint(net), gamma=gamma, lr=lr)
     ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
-    if ckpt is not None and resume and ckpt.is_file():
-        with np.load(ckpt, allow_pickle=False) as z:
-            xs, ys = z["xs"], z["ys"]
-            meta = json.loads(str(z["meta"]))
-        cur = PlacementNetwork.load(meta["net"]) if Path(meta["net"]).is_file() else cur
-        best = PlacementNetwork.load(meta["best"]) if Path(meta["best"]).is_file() else cur.copy()
-        best_val, rounds, history = meta["best_val"], meta["rounds"], meta["history"]
+    resumed = False
+    if ckpt is not None and resume and ckpt.exists():
+        arrays, meta = _read_checkpoint(ckpt, settings)
+        try:
+            xs, ys = arrays["xs"], arrays["ys"]
+            cur = PlacementNetwork(mlp_from_arrays(_unprefixed("net_", arrays)), start.meta)
+            best = PlacementNetwork(mlp_from_arrays(_unprefixed("best_", arrays)), start.meta)
+            best_val, rounds, history = float(meta["best_val"]), int(meta["rounds"]), list(meta["history"])
+            rng.bit_generator.state = meta["rng"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"checkpoint {str(ckpt)!r} is incomplete ({type(err).__name__}: {err}). HINT: pass "
+                             f"--no-resume (resume=False) to start from scratch, or delete it.") from None
+        resumed = True
+        _say_resuming(ckpt, rounds)
     greedy = {r["scenario"]: r["greedy"] for r in evaluate_relocation(val, policies=("greedy",), predictor=predictor)}
 
     def val_score(net: PlacementNetwork) -> float:
@@ -290,18 +398,19 @@ def pretrain_placement(
         if v > best_val:
             best, best_val = cur.copy(), v
         if ckpt is not None:
-            cur.save(str(ckpt) + ".net.npz")
-            best.save(str(ckpt) + ".best.npz")
-            meta = {"net": str(ckpt) + ".net.npz", "best": str(ckpt) + ".best.npz", "best_val": best_val,
-                    "rounds": rounds, "history": history}
-            np.savez_compressed(ckpt, xs=xs, ys=ys, meta=np.array(json.dumps(meta)))
+            _write_checkpoint(ckpt, {"xs": xs, "ys": ys, **_prefixed("net_", mlp_arrays(cur.layers)),
+                                     **_prefixed("best_", mlp_arrays(best.layers))},
+                              {"settings": settings, "best_val": float(best_val), "rounds": rounds,
+                               "history": history, "rng": rng.bit_generator.state})
         bar.update(1)
     bar.close()
     stats = {"family": family, "rounds": rounds, "samples": int(len(ys)), "episodes": rounds * episodes_per_round,
              "validation": history, "best_val_vs_greedy": round(float(best_val), 4), "seed": seed,
-             "seconds": seconds, "gamma": gamma, "returns": returns, "horizon": horizon}
+             "seconds": seconds, "gamma": gamma, "returns": returns, "horizon": horizon, "resumed": resumed}
     if out is not None:
         best.save(out, trained=stats)
+        if ckpt is not None:
+            _remove_checkpoint(ckpt)
     return best, stats
 
 
@@ -401,8 +510,11 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
 
     ``rounds``: the first round's runs are the plain planning relocator's, each later round's are the relocator
     with the critic fit so far, and each refit uses every sample so far (as DAgger does, Ross et al., AISTATS
-    2011: the critic is corrected on the states its own choices lead to). With ``out`` and ``resume``, the samples
-    and the rounds done are checkpointed to ``<out>.ckpt.npz`` after each round and a later call continues.
+    2011: the critic is corrected on the states its own choices lead to). With ``out``, the samples and the rounds
+    done are checkpointed (atomically) to ``<out>.ckpt.npz`` after each round, and with ``resume`` a later call
+    with the same settings (all but ``rounds`` and ``workers``) continues from there; a checkpoint written with
+    other settings, or unreadable, raises ``ValueError`` naming the differing settings and the fix
+    (``resume=False``, or delete it). The checkpoint is deleted once the model is written.
     ``workers`` > 1 collects the clusters in that many processes; the samples, their order and so the model are
     the same as with one. Returns the model and its training statistics."""
     from hetero_plugins.scheduler.rollout_correction import ROLLOUT_FEATURES, RolloutCorrection
@@ -421,12 +533,21 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     t0 = time.perf_counter()
     xs, ys = np.zeros((0, len(ROLLOUT_FEATURES))), np.zeros(0)
     done, history = 0, []
+    settings = _settings(family=family, train_count=train_count, seeds=[int(s) for s in seeds], explore=explore,
+                         horizon=horizon, known_future=known_future, forks=forks, tail=tail, members=members,
+                         hidden=[int(h) for h in hidden], steps=steps, seed=seed)
     ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
-    if ckpt is not None and resume and ckpt.is_file():
-        with np.load(ckpt, allow_pickle=False) as z:
-            xs, ys = z["xs"], z["ys"]
-            meta = json.loads(str(z["meta"]))
-        done, history = int(meta["rounds"]), list(meta["history"])
+    resumed = False
+    if ckpt is not None and resume and ckpt.exists():
+        arrays, meta = _read_checkpoint(ckpt, settings)
+        try:
+            xs, ys = arrays["xs"], arrays["ys"]
+            done, history = int(meta["rounds"]), list(meta["history"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"checkpoint {str(ckpt)!r} is incomplete ({type(err).__name__}: {err}). HINT: pass "
+                             f"--no-resume (resume=False) to start from scratch, or delete it.") from None
+        resumed = True
+        _say_resuming(ckpt, done)
     model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed) if done else None
     for r in range(done, int(rounds)):
         bar = progress(total=len(train), desc=f"critic round {r + 1}/{rounds}: realised returns", unit="cluster")
@@ -441,15 +562,17 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
         model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed)
         history.append({"round": r + 1, "rows": int(len(ys)), "seconds": round(time.perf_counter() - t0, 1)})
         if ckpt is not None:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            np.savez_compressed(ckpt, xs=xs, ys=ys, meta=np.array(json.dumps({"rounds": r + 1, "history": history})))
-    assert model is not None
-    stats = {"family": family, "clusters": len(train), "seeds": list(seeds), "rounds": int(rounds),
+            _write_checkpoint(ckpt, {"xs": xs, "ys": ys}, {"settings": settings, "rounds": r + 1, "history": history})
+    if model is None:  # resumed a checkpoint of more rounds than asked for now
+        model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed)
+    stats = {"family": family, "clusters": len(train), "seeds": list(seeds), "rounds": max(int(rounds), done),
              "explore": explore, "horizon": horizon, "known_future": known_future, "forks": int(forks),
              "tail": float(tail),
              "rows": int(len(ys)),
-             "history": history, "seconds": round(time.perf_counter() - t0, 1)}
+             "history": history, "seconds": round(time.perf_counter() - t0, 1), "resumed": resumed}
     model.meta.update(trained=stats)
     if out is not None:
         model.save(out)
+        if ckpt is not None:
+            _remove_checkpoint(ckpt)
     return model, stats

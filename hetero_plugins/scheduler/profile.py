@@ -290,6 +290,17 @@ def _csv(text: str | None) -> list[str] | None:
     return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _int_list(text: str, flag: str, example: str) -> list[int]:
+    """``--batch-scales`` / ``--intensities``: comma-separated ints >= 1; ``ValueError`` naming ``flag``."""
+    try:
+        values = [int(x) for x in _csv(text) or []]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"`{flag}`={text!r} must be comma-separated integers >= 1. HINT: e.g. {flag} {example}")
+    return values
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-plugins profile-interference", description=profile_main.__doc__)
     p.add_argument("--out", default=None, help="table JSON to write (default interference_<device>.json)")
@@ -317,10 +328,30 @@ def profile_main(argv: list[str] | None = None) -> int:
     """Measure training workloads' slowdowns beside co-runners on this machine and write the JSON table."""
     from hetero_plugins.scheduler import measured
 
+    from hetero_plugins._files import check_output_path, write_atomic
+
     args = _parser().parse_args(argv)
     if args.source is not None and not os.path.isfile(args.source):
         print(f"error: --from {args.source!r} is not a file. HINT: write a table with `hetero-plugins "
               "profile-interference --out FILE`, or leave --from out to measure this machine.", file=sys.stderr)
+        return 2
+    if args.source is not None and not (args.evaluate or args.train_ncf):
+        print(f"error: --from {args.source!r} measures nothing, and neither --evaluate nor --train-ncf was given, so "
+              "there is nothing to do. HINT: add --evaluate and/or --train-ncf MODEL, or leave --from out to "
+              "measure this machine.", file=sys.stderr)
+        return 2
+    if args.seed < 0:
+        print(f"error: `--seed` must be an int >= 0, got {args.seed}. HINT: e.g. --seed 0", file=sys.stderr)
+        return 2
+    try:  # checked before the measurement, so a bad value or path is not found after it
+        scales = _int_list(args.batch_scales, "--batch-scales", "1,4")
+        levels = _int_list(args.intensities, "--intensities", "1,2")
+        if args.source is None:
+            check_output_path(args.out if args.out is not None else "interference_cpu.json", "--out")
+        if args.train_ncf:
+            check_output_path(args.train_ncf, "--train-ncf")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.quiet:
         set_quiet(True)
@@ -334,13 +365,11 @@ def profile_main(argv: list[str] | None = None) -> int:
         else:
             table = profile_interference(
                 _csv(args.workloads), _csv(args.corunners), device=args.device, seconds=args.seconds,
-                repeats=args.repeats, batch_scales=[int(x) for x in _csv(args.batch_scales) or []],
-                intensities=[int(x) for x in _csv(args.intensities) or []], seed=args.seed, note=args.note)
+                repeats=args.repeats, batch_scales=scales, intensities=levels, seed=args.seed, note=args.note)
             table["settings"]["command"] = "hetero-plugins profile-interference " + " ".join(argv or sys.argv[2:])
             out = Path(args.out or f"interference_{table['device']}.json")
             measured.validate_table(table, str(out))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(table, indent=1) + "\n")
+            write_atomic(out, json.dumps(table, indent=1) + "\n")
             print(measured.format_table(table))
             print(f"wrote {out} ({table['settings']['runtime_s']:.0f} s)", file=sys.stderr)
         if args.evaluate:
