@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,8 @@ from hetero_plugins._validation import check_float
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EPOCH_STATS", "StepRecord", "StepTimer", "SystemMonitor", "UtilisationSampler", "epoch_stats", "memory_cap"]
+__all__ = ["EPOCH_STATS", "StepRecord", "StepTimer", "SystemMonitor", "UtilisationSampler", "epoch_stats", "memory_cap",
+           "nvml_handle"]
 
 #: Per-rank readings each ``plan_history`` entry holds (a list over ranks, ``None`` where not measured).
 EPOCH_STATS = ("cpu_percent", "gpu_util", "gpu_mem_used")
@@ -117,11 +120,92 @@ def memory_cap(batch_size: int, peak_bytes: int, baseline_bytes: int, total_byte
     return max(1, int((headroom * total_bytes - baseline_bytes) // per_sample))
 
 
+_WARNED: set[str] = set()
+_WARN_LOCK = threading.Lock()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One ``RuntimeWarning`` per process and ``key`` (GPU telemetry is read by several objects and threads; a
+    broken NVML must say so once, not at every reading)."""
+    with _WARN_LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _torch_uuid(cuda_index: int) -> str | None:
+    """NVML's UUID string (``"GPU-..."``) of torch's CUDA device ``cuda_index``, where torch can tell (CUDA already
+    initialised: this never initialises it)."""
+    try:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return None
+        uuid = getattr(torch.cuda.get_device_properties(cuda_index), "uuid", None)
+    except Exception:  # noqa: BLE001 - an old torch or a broken CUDA: fall back to CUDA_VISIBLE_DEVICES
+        return None
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def nvml_handle(nvml: Any, cuda_index: int) -> Any:
+    """NVML's handle of CUDA device ``cuda_index`` as this process numbers it (``torch.cuda`` / ``cuda:N``).
+
+    CUDA numbers only the devices ``CUDA_VISIBLE_DEVICES`` lists, in its order; NVML numbers every device of the
+    host by PCI bus. So the handle comes from the device's UUID where torch can tell it, else from the
+    ``cuda_index``-th entry of ``CUDA_VISIBLE_DEVICES`` (an NVML index, or a ``GPU-``/``MIG-`` UUID or UUID prefix,
+    as CUDA accepts), else (the variable unset) from NVML index ``cuda_index``. Raises ``ValueError`` where
+    ``CUDA_VISIBLE_DEVICES`` has no such entry.
+    """
+    uuid = _torch_uuid(cuda_index)
+    if uuid is not None:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except Exception:  # noqa: BLE001 - e.g. a MIG UUID an old driver cannot resolve: try the variable
+            pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    entries = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break  # CUDA ignores everything from the first entry it cannot parse
+        entries.append(entry)
+    if cuda_index >= len(entries):
+        raise ValueError(f"CUDA device {cuda_index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    entry = entries[cuda_index]
+    if entry.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(entry)
+    except Exception:  # noqa: BLE001 - CUDA also takes a unique prefix of the UUID: find the device it names
+        matches = []
+        for i in range(int(nvml.nvmlDeviceGetCount())):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            found = nvml.nvmlDeviceGetUUID(handle)
+            found = found.decode() if isinstance(found, bytes) else str(found)
+            if found.startswith(entry):
+                matches.append(handle)
+        if len(matches) != 1:
+            raise
+        return matches[0]
+
+
 class SystemMonitor:
     """Reads GPU utilisation/memory through NVML when available, and CPU load through psutil.
 
     Args:
-        gpu_index: NVML index of this rank's GPU, or ``None`` on CPU-only ranks.
+        gpu_index: this rank's CUDA device as the process numbers it (``torch.cuda.current_device()``, the ``N``
+            of ``cuda:N``), or ``None`` on CPU-only ranks. It is mapped to NVML's device through the device's
+            UUID or ``CUDA_VISIBLE_DEVICES`` (:func:`nvml_handle`), so a rank that sees only its own GPU reads that
+            GPU, not the host's first.
+
+    Without NVML (no ``nvidia-ml-py``, no driver, no such device) GPU readings are left out, with one warning per
+    process; a reading that fails during the run (a GPU lost, NVML not answering) is skipped, warned about once,
+    and never raises.
     """
 
     def __init__(self, gpu_index: int | None = None) -> None:
@@ -133,11 +217,15 @@ class SystemMonitor:
                 import pynvml
 
                 pynvml.nvmlInit()
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+                self._handle = nvml_handle(pynvml, int(gpu_index))
                 self._nvml = pynvml
             except Exception as err:  # no driver, no device, or no nvidia-ml-py
-                log.debug("SystemMonitor: NVML unavailable (%s); GPU telemetry disabled", err)
                 self._handle = None
+                log.debug("SystemMonitor: NVML unavailable (%s); GPU telemetry disabled", err)
+                _warn_once("nvml-init", (
+                    f"hetero_plugins: GPU telemetry (utilisation, memory) is off for CUDA device {gpu_index}: NVML is "
+                    f"not available ({type(err).__name__}: {err}). Training goes on; plans use step timings only. "
+                    "HINT: install nvidia-ml-py with an NVIDIA driver for GPU readings."))
 
     @property
     def has_gpu(self) -> bool:
@@ -145,7 +233,7 @@ class SystemMonitor:
 
     def read(self) -> dict[str, float]:
         """A snapshot: ``cpu_percent``, ``mem_percent`` and, with a GPU, ``gpu_util``, ``gpu_mem_used``,
-        ``gpu_mem_total`` (bytes)."""
+        ``gpu_mem_total`` (bytes). A GPU reading NVML fails to give is left out (warned about once)."""
         out: dict[str, float] = {}
         try:
             import psutil
@@ -155,13 +243,23 @@ class SystemMonitor:
         except Exception as err:  # psutil missing or unsupported platform
             log.debug("SystemMonitor: psutil unavailable (%s)", err)
         if self._handle is not None:
-            try:
-                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-                out.update(gpu_util=float(util.gpu), gpu_mem_used=float(mem.used), gpu_mem_total=float(mem.total))
-            except Exception as err:
-                log.debug("SystemMonitor: NVML read failed (%s)", err)
+            for what, read in (("utilisation", self._read_util), ("memory", self._read_memory)):
+                try:
+                    out.update(read())
+                except Exception as err:  # noqa: BLE001 - a lost GPU or a busy NVML must not stop training
+                    log.debug("SystemMonitor: NVML %s read failed (%s)", what, err)
+                    _warn_once(f"nvml-read-{what}", (
+                        f"hetero_plugins: reading GPU {what} through NVML failed on CUDA device {self.gpu_index} "
+                        f"({type(err).__name__}: {err}); such readings are skipped from now on where they fail, "
+                        "and training goes on. HINT: check the GPU with nvidia-smi."))
         return out
+
+    def _read_util(self) -> dict[str, float]:
+        return {"gpu_util": float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)}
+
+    def _read_memory(self) -> dict[str, float]:
+        mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return {"gpu_mem_used": float(mem.used), "gpu_mem_total": float(mem.total)}
 
 
 class UtilisationSampler:
@@ -175,7 +273,8 @@ class UtilisationSampler:
     :meth:`epoch_means` returns ``{}``.
 
     Args:
-        gpu_index: NVML index of this rank's GPU (``None``: no GPU, a no-op unless ``read`` is given).
+        gpu_index: this rank's CUDA device as the process numbers it (``torch.cuda.current_device()``), mapped to
+            NVML's device as :class:`SystemMonitor` does (``None``: no GPU, a no-op unless ``read`` is given).
         interval: seconds between readings (0.2 costs about 0.1 ms of one CPU core per second).
         read: a function returning one reading as ``{name: value}``; replaces NVML (tests, other devices).
 
@@ -199,6 +298,7 @@ class UtilisationSampler:
         self._read = read
         self._lock = threading.Lock()
         self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}  # readings per key: a key some readings lack is averaged over its own
         self._max_mem = -math.inf
         self._count = 0
         self._stop = threading.Event()
@@ -218,12 +318,14 @@ class UtilisationSampler:
         except Exception as err:  # a transient NVML error must not stop training
             log.debug("UtilisationSampler: reading failed (%s)", err)
             return
+        values = {k: float(v) for k, v in reading.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         with self._lock:
-            for key, value in reading.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._sums[key] = self._sums.get(key, 0.0) + float(value)
-            if "gpu_mem_used" in reading:
-                self._max_mem = max(self._max_mem, float(reading["gpu_mem_used"]))
+            for key, value in values.items():
+                self._sums[key] = self._sums.get(key, 0.0) + value
+                self._counts[key] = self._counts.get(key, 0) + 1
+            if "gpu_mem_used" in values:  # a reading without a number (None, text) is not a maximum
+                self._max_mem = max(self._max_mem, values["gpu_mem_used"])
             self._count += 1
 
     def _run(self) -> None:
@@ -249,17 +351,18 @@ class UtilisationSampler:
         self.sample()
 
     def epoch_means(self, reset: bool = True) -> dict[str, float]:
-        """Mean of every reading since the last call (or start), ``gpu_mem_used_max`` and ``samples``;
+        """Mean of every key over the readings since the last call (or start) that had a number for it (a key a
+        failed NVML call left out is not diluted by those readings), ``gpu_mem_used_max`` and ``samples``;
         ``{}`` without readings. ``reset=False`` keeps accumulating."""
         with self._lock:
             if self._count == 0:
                 return {}
-            out = {k: v / self._count for k, v in self._sums.items()}
+            out = {k: v / self._counts[k] for k, v in self._sums.items()}
             if self._max_mem > -math.inf:
                 out["gpu_mem_used_max"] = self._max_mem
             out["samples"] = self._count
             if reset:
-                self._sums, self._max_mem, self._count = {}, -math.inf, 0
+                self._sums, self._counts, self._max_mem, self._count = {}, {}, -math.inf, 0
         return out
 
     def __enter__(self) -> UtilisationSampler:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import re
 import socket
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_TIMEOUT",
     "TIMEOUT_ENV",
     "BoundedStore",
     "CollectiveError",
@@ -52,6 +54,7 @@ __all__ = [
     "ReduceHandle",
     "TorchCollectives",
     "WorkHandle",
+    "check_timeout",
     "default_timeout",
     "is_transport_failure",
     "open_store",
@@ -67,10 +70,15 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
 #: Environment variable with that bound in seconds for ``horovodrun`` / ``mpirun`` scripts (no strategy there).
 TIMEOUT_ENV = "HETERO_PLUGINS_TIMEOUT"
+#: The largest bound accepted, in seconds (about 31 years; Python's thread waits overflow far above it).
+MAX_TIMEOUT = 1e9
 
 
 def default_timeout() -> float:
     """The bound on collectives where no strategy sets one: ``$HETERO_PLUGINS_TIMEOUT`` seconds, else 600.
+
+    The value must be a positive, finite number of seconds (at most :data:`MAX_TIMEOUT`): ``inf``, ``nan``, ``0``,
+    a negative number or text raise ``ValueError`` naming the variable, since every wait must stay bounded.
 
     Example::
 
@@ -78,15 +86,38 @@ def default_timeout() -> float:
         True
     """
     raw = os.environ.get(TIMEOUT_ENV)
-    if raw in (None, ""):
+    if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds. HINT: e.g. {TIMEOUT_ENV}=600.")
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds (at most "
+                         f"{MAX_TIMEOUT:g}): every wait for another rank stays bounded. HINT: e.g. {TIMEOUT_ENV}=600, "
+                         f"or unset it for the default {DEFAULT_TIMEOUT:g} s.")
     return value
+
+
+def check_timeout(value: Any, name: str = "timeout") -> float:
+    """``value`` as seconds to wait for other ranks (``None``: :func:`default_timeout`); a positive, finite number
+    up to :data:`MAX_TIMEOUT`, else ``ValueError`` naming ``name`` (``inf`` or ``nan`` would leave a wait unbounded).
+
+    Example::
+
+        >>> check_timeout(30), check_timeout(None) > 0
+        (30.0, True)
+    """
+    if value is None:
+        return default_timeout()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"`{name}` must be a number of seconds, got {value!r} ({type(value).__name__}). "
+                         f"HINT: e.g. {name}=600, or leave it out for ${TIMEOUT_ENV} / {DEFAULT_TIMEOUT:g} s.")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT):
+        raise ValueError(f"`{name}` must be a positive, finite number of seconds (at most {MAX_TIMEOUT:g}), got "
+                         f"{value!r}: every wait for another rank stays bounded. HINT: e.g. {name}=600.")
+    return seconds
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -98,7 +129,9 @@ def _gist(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     line = next((ln for ln in lines if any(w in ln.lower() for w in _TRANSPORT_WORDS)), lines[0] if lines else "")
     line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|py):\d+\]\s*", "", line)
-    return line[-300:]
+    if len(line) <= 300:
+        return line
+    return f"{line[:150].rstrip()} ... {line[-145:].lstrip()}"  # both ends: what failed, and the peer's address
 
 
 class CollectiveError(RuntimeError):
@@ -273,7 +306,7 @@ class TorchCollectives:
                  timeout: float | None = None) -> None:
         self.device = torch.device(device)
         self.main_address = main_address
-        self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self.timeout = check_timeout(timeout)
         self.liveness: Liveness | None = None
         #: The rank whose process serves the shared store (``None``: the launcher's agent, under torchrun).
         self.store_owner: int | None = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0

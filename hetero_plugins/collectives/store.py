@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from hetero_plugins.collectives import Collectives, CollectiveError, is_transport_failure
+from hetero_plugins.collectives import Collectives, CollectiveError, check_timeout, is_transport_failure
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class BoundedStore:
 
     def __init__(self, store: Any, timeout: float, rank: int, owner: int | None = 0,
                  address: tuple[str, int] | None = None, label: str = "store") -> None:
-        self.store, self.timeout, self.rank, self.owner = store, float(timeout), int(rank), owner
+        self.store, self.timeout, self.rank, self.owner = store, check_timeout(timeout), int(rank), owner
         self.address = address
         self.label = label
         self._watchdog = _Watchdog(f"hetero_plugins.{label}")
@@ -98,7 +98,7 @@ class BoundedStore:
 
     def call(self, op: str, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn`` (an operation on :attr:`store`, described by ``op``) under the deadline."""
-        limit = self.timeout if timeout is None else float(timeout)
+        limit = self.timeout if timeout is None else check_timeout(timeout)
         suspects = [self.owner] if self.owner is not None and self.owner != self.rank else None
         try:
             return self._watchdog.call(fn, limit, op)
@@ -267,7 +267,8 @@ def open_tcp_store(comm: Collectives, timeout: float, name: str = "hetero_plugin
 def _open_tcp(comm: Collectives, timeout: float, name: str, payload: Any) -> tuple[Any, tuple[Any, tuple[str, int]]]:
     import torch.distributed as dist
 
-    wait = timedelta(seconds=float(timeout))
+    timeout = check_timeout(timeout)
+    wait = timedelta(seconds=timeout)
     store, message = None, None
     host = comm.store_host()  # on every rank: Horovod's and MPI's transports learn rank 0's host collectively
     if comm.rank() == 0:
@@ -307,6 +308,7 @@ def open_store(comm: Collectives, timeout: float, namespace: str = "hetero_plugi
     """
     import torch.distributed as dist
 
+    timeout = check_timeout(timeout)
     shared = getattr(comm, "shared_store", None)
     base = shared() if callable(shared) else None
     rank = comm.rank()

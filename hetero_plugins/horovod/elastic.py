@@ -80,18 +80,32 @@ def follow_slots(planner: BalancePlanner, before: Sequence[str], hosts: Sequence
 def relocate_by_hosts_file(restart_spec: str, hosts_file: str | None, info: dict[str, Any], decision: Any,
                            upcoming: Any) -> None:
     """Rank 0, for a new gaining relocation: write the restart spec and, with a ``hosts_file`` and moves whose
-    slots name their hosts, apply it by moving host slots in that file (Horovod then resets onto them)."""
+    slots name their hosts, apply it by moving host slots in that file (Horovod then resets onto them).
+
+    Rank 0 runs this inside the collective that hands every rank its decision, so a file it cannot read or write
+    (the spec's folder gone, the hosts file replaced, a line it cannot rewrite safely) must not raise on rank 0
+    alone: the others would wait for it in that collective. It warns instead, and the relocation is not applied
+    (``info["error"]`` says why; the spec is written where it can be).
+    """
     from hetero_plugins.scheduler.restart_spec import write_relocation_spec
 
     places = upcoming.places
     moves = [(places[r].get("host"), upcoming.free_slots[k].get("host")) for r, k in decision.moves]
     apply = hosts_file is not None and all(a and b for a, b in moves)
-    info["spec"] = str(write_relocation_spec(
-        restart_spec, decision, places, upcoming.free_slots, epoch=info["epoch"],
-        extra={"hosts_file": hosts_file} if apply else None))
-    if apply:
-        move_host_slots(hosts_file, moves)  # type: ignore[arg-type]
-        info["applied"] = "hosts_file"
+    try:
+        info["spec"] = str(write_relocation_spec(
+            restart_spec, decision, places, upcoming.free_slots, epoch=info["epoch"],
+            extra={"hosts_file": hosts_file} if apply else None))
+        if apply:
+            move_host_slots(hosts_file, moves)  # type: ignore[arg-type]
+            info["applied"] = "hosts_file"
+    except (OSError, ValueError) as err:
+        info["error"] = f"{type(err).__name__}: {str(err).rstrip('.')}"
+        hint = "" if "HINT" in str(err) else (f" HINT: rank 0 must be able to write the restart spec ({restart_spec}) "
+                                              f"and read and replace the hosts file ({hosts_file}).")
+        warnings.warn(f"HeteroBatchSampler: relocation {decision.moves} is not applied, training goes on where it is: "
+                      f"{info['error']}.{hint}", RuntimeWarning, stacklevel=2)
+        return
     log.warning("HeteroBatchSampler: relocation %s predicted %.1f%% faster; spec %s%s", decision.moves,
                 100 * decision.predicted_gain, info["spec"],
                 f"; {hosts_file} rewritten, Horovod will reset onto the new hosts" if apply else "")
@@ -99,27 +113,51 @@ def relocate_by_hosts_file(restart_spec: str, hosts_file: str | None, info: dict
 
 def move_host_slots(path: str, moves: Sequence[tuple[str, str]]) -> None:
     """Rewrite a host-discovery file (``host:slots`` lines): one slot fewer on each ``from`` host, one more on
-    each ``to`` host (appended if new); hosts left with no slot are dropped. Replaced atomically."""
+    each ``to`` host (appended if new); hosts left with no slot are dropped. Replaced atomically.
+
+    A line without a count (``host``) has as many slots as ``horovodrun --slots-per-host`` says, which this
+    process cannot know: it is kept as written, and a move from or to such a host raises ``ValueError`` (so does
+    a count that is not a whole number) before anything is written.
+    """
     order: list[str] = []
-    slots: dict[str, int] = {}
+    slots: dict[str, int | None] = {}  # None: a line without a count (horovodrun's --slots-per-host)
     with open(path) as f:
-        for line in f:
-            line = line.strip()
+        for number, raw in enumerate(f, start=1):
+            line = raw.strip()
             if not line:
                 continue
-            host, _, n = line.partition(":")
+            host, colon, n = line.partition(":")
+            host = host.strip()
+            if colon:
+                try:
+                    count: int | None = int(n)
+                except ValueError:
+                    raise ValueError(f"{path}, line {number}: {line!r} is not `host:slots` with a whole number of "
+                                     "slots. HINT: write lines like `node1:2`.") from None
+            else:
+                count = None
             if host not in slots:
                 order.append(host)
-                slots[host] = 0
-            slots[host] += int(n or 1)
+                slots[host] = count
+            elif slots[host] is None or count is None:
+                slots[host] = None
+            else:
+                slots[host] = int(slots[host]) + count  # type: ignore[arg-type]
     for src, dst in moves:
-        if slots.get(src, 0) > 0:
-            slots[src] -= 1
+        for host in (src, dst):
+            if host in slots and slots[host] is None:
+                raise ValueError(f"{path}: host {host!r} is listed without a slot count, so a slot cannot be moved "
+                                 f"{'from' if host == src else 'to'} it. HINT: write `{host}:<slots>` in the file "
+                                 "your --host-discovery-script prints.")
+    for src, dst in moves:
+        if (slots.get(src) or 0) > 0:
+            slots[src] = int(slots[src]) - 1  # type: ignore[arg-type]
         if dst not in slots:
             order.append(dst)
             slots[dst] = 0
-        slots[dst] += 1
-    write_atomic(path, "".join(f"{h}:{slots[h]}\n" for h in order if slots[h] > 0))
+        slots[dst] = int(slots[dst]) + 1  # type: ignore[arg-type]
+    write_atomic(path, "".join(h + "\n" if slots[h] is None else f"{h}:{slots[h]}\n"
+                               for h in order if slots[h] is None or slots[h] > 0))  # type: ignore[operator]
 
 
 _ELASTIC_REGISTERED = False

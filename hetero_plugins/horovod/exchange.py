@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hetero_plugins._validation import check_choice
-from hetero_plugins.collectives import CollectiveError, ReduceHandle, default_timeout, probe_silent, probe_window
+from hetero_plugins.collectives import CollectiveError, ReduceHandle, check_timeout, probe_silent, probe_window
 from hetero_plugins.horovod.runtime import horovod_torch as _hvd
 
 __all__ = ["HorovodExchange", "MPIExchange", "get_exchange"]
@@ -53,7 +53,7 @@ class HorovodExchange:
 
     def __init__(self, timeout: float | None = None) -> None:
         self._store_host: str | None = None
-        self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self.timeout = check_timeout(timeout)
         self._pending: list[Any] = []  # the MPI probe's open requests
 
     def rank(self) -> int:
@@ -205,7 +205,7 @@ class MPIExchange:
         from mpi4py import MPI
 
         self.comm = MPI.COMM_WORLD if comm is None else comm
-        self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self.timeout = check_timeout(timeout)
         self._pending: list[Any] = []  # buffers of requests given up on (MPI may still write into them)
 
     def rank(self) -> int:
