@@ -9,10 +9,11 @@ predict loader gets contiguous per-rank slices of the prediction order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import sized_len
@@ -23,13 +24,39 @@ from hetero_plugins.balancing.allocators import Bounds, largest_remainder
 from hetero_plugins.balancing.partition import contiguous_split
 from hetero_plugins.balancing.sampler import HeteroBatchSampler, HeteroDistributedSampler, HeteroInferenceBatchSampler
 
-__all__ = ["UNSIZED", "BalancedLoaders", "ResumableLoader", "can_balance", "loader_like", "loader_plan"]
+__all__ = ["UNSIZED", "BalancedLoaders", "ResumedSampler", "ResumableLoader", "can_balance", "loader_like", "loader_plan"]
 
 #: The one warning for a dataset without a length (an ``IterableDataset``).
 UNSIZED = ("BatchBalancer: the dataset has no len() (an IterableDataset): per-rank batch sizes need a sized "
            "dataset, so every rank keeps the loader's own batches, as stock DDP does, and no plan is applied "
            "(plan_history says plan_applied=False). HINT: use a map-style Dataset (__len__ and __getitem__) to "
            "balance batch sizes.")
+
+
+class ResumedSampler(Sampler[int]):
+    """``sampler``'s indices from position ``skip`` on: a resumed epoch's remaining share of this rank (beside a
+    stock strategy, whose train loader Lightning does not checkpoint). ``len`` stays ``sampler``'s, as Lightning
+    counts the resumed epoch's steps from the step it restarts at. Put back by :meth:`BalancedLoaders.install`."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler = sampler
+        self.skip = int(skip)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+def _inner(bs: object) -> Any:
+    """The sampler inside batch sampler ``bs`` (the one a :class:`ResumedSampler` wraps)."""
+    inner = getattr(bs, "sampler", None)
+    return inner.sampler if isinstance(inner, ResumedSampler) else inner
 
 
 def loader_plan(dl: object, world: int) -> tuple[list[int], int | None] | None:
@@ -43,7 +70,7 @@ def loader_plan(dl: object, world: int) -> tuple[list[int], int | None] | None:
     bs = dl.batch_sampler
     if isinstance(bs, HeteroBatchSampler):
         return list(bs.plan), bs.sampler.num_samples
-    inner = getattr(bs, "sampler", None)
+    inner = _inner(bs)
     if isinstance(inner, HeteroDistributedSampler):
         return list(inner.plan), inner.num_samples
     local = getattr(bs, "batch_size", None)
@@ -59,7 +86,7 @@ def can_balance(dl: object) -> bool:
     bs = dl.batch_sampler
     if isinstance(bs, HeteroBatchSampler):
         return True
-    inner = getattr(bs, "sampler", None)
+    inner = _inner(bs)
     return type(bs) is BatchSampler and (isinstance(inner, HeteroDistributedSampler) or type(inner) is DistributedSampler)
 
 
@@ -228,6 +255,8 @@ class BalancedLoaders:
         """Put the plan into ``dl``'s batch sampler in place; ``False`` (and a warning) if it cannot be."""
         bs = dl.batch_sampler
         rank, world = trainer.global_rank, trainer.world_size
+        if type(bs) is BatchSampler and isinstance(bs.sampler, ResumedSampler):
+            bs.sampler = bs.sampler.sampler  # the resumed epoch is over: whole epochs again
         if sized_len(dl.dataset) is None:
             self.warn_once("unsized", UNSIZED)
             return False
@@ -278,6 +307,21 @@ class BalancedLoaders:
             self.train_sampler = bs if isinstance(bs, HeteroBatchSampler) else sampler
         return True
 
+    def resume(self, dl: object, trainer: pl.Trainer, steps_done: int, applied: bool) -> int:
+        """Make train loader ``dl`` (a stock strategy's, not yet iterated) run a resumed epoch from step
+        ``steps_done`` on: the epoch's plan installed if it ran one (``applied``), and each rank's first
+        ``steps_done`` batches skipped. Returns the samples this rank skips (0: the loader cannot resume)."""
+        if not isinstance(dl, DataLoader) or type(dl.batch_sampler) is not BatchSampler or steps_done <= 0:
+            return 0
+        bs = dl.batch_sampler
+        if applied and not self.install(dl, trainer, train=True):
+            return 0
+        if isinstance(bs.sampler, ResumedSampler) or bs.batch_size is None:
+            return 0
+        skip = steps_done * int(bs.batch_size)  # every step before the last is full on every rank
+        bs.sampler = ResumedSampler(bs.sampler, skip)
+        return skip
+
     def _plan_for(
         self, trainer: pl.Trainer, train: bool, local_batch: int, world: int,
         current: Sequence[int] | None = None,
@@ -299,7 +343,7 @@ class BalancedLoaders:
         dl = trainer.train_dataloader
         if s is None or not isinstance(dl, DataLoader):
             return None
-        if dl.batch_sampler is not s and getattr(dl.batch_sampler, "sampler", None) is not s:
+        if dl.batch_sampler is not s and _inner(dl.batch_sampler) is not s:
             return None
         try:
             return s.step_counts(batch_idx)

@@ -21,6 +21,10 @@ Checkpoints hold the plan and the time models. Resumed on another number of rank
 (each remaining rank keeps its time model, a new rank starts without one) with a warning. With
 ``HeteroDDPStrategy`` the train loader's position is checkpointed too: a fit resumed from a mid-epoch checkpoint
 continues that epoch at its first step not done, with its plans, so every remaining sample runs exactly once.
+Beside a stock strategy the checkpoint holds the epoch's plan, and the resumed epoch's loader (one whose
+``BatchSampler`` Lightning built) is given that plan and skips each rank's batches of the steps already run, with
+the same result. Validation beside a stock strategy keeps Lightning's equal batches (its integer average of the
+summed batch sizes would make sample-weighted metrics inexact on uneven ones).
 A loader the balancer cannot split (a custom sampler, an ``IterableDataset``) keeps its own batches, as under
 stock DDP, and ``plan_history`` says ``plan_applied=False``.
 """
@@ -40,6 +44,7 @@ from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
@@ -75,6 +80,9 @@ from hetero_plugins.telemetry import (
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
+
+#: The profiler action Lightning's training epoch loop wraps around each batch fetch.
+_FETCH_ACTION = ".train_dataloader_next"
 
 #: The keywords the balancing classes take: every option of ``BalancingOptions`` and ``policy``.
 _OPTION_NAMES = (*(f.name for f in dataclasses.fields(BalancingOptions)), "policy")
@@ -142,6 +150,7 @@ class BatchBalancer(Callback):
         self._plan_changes: list[dict[str, Any]] = []
         self._start_plan: list[int] | None = None
         self._applied = False
+        self._epoch: int | None = None  # the epoch whose records are being kept
         self._hook_state: WeightedAllreduceState | None = None
         self._hooked: weakref.ref[torch.nn.parallel.DistributedDataParallel] | None = None  # the DDP with the hook
         self._external_weighting: Any = None
@@ -151,6 +160,11 @@ class BatchBalancer(Callback):
         self._warned: set[str] = set()
         self._system: SystemMonitor | None = None
         self._sampler: UtilisationSampler | None = utilisation
+        self._resume_position: dict[str, Any] | None = None  # the checkpointed epoch's plan (see state_dict)
+        self._resumed_at: tuple[int, bool] | None = None  # (step, plan installed) of a stock strategy's resume
+        self._fetch_began: float | None = None  # when the train loop began fetching a batch (see _time_fetches)
+        self._fetch_time: float | None = None  # seconds fetching batches since the last step began (None: unseen)
+        self._step_fetch: float | None = None  # the same, for the step in progress
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -238,10 +252,14 @@ class BatchBalancer(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         if self.planner is not None:
-            return {"planner": self.planner.state_dict()}
+            # ``position``: the epoch in progress and whether it runs the plan (one plan for the whole epoch beside
+            # a stock strategy), so a fit resumed from a mid-epoch checkpoint can run the epoch's remaining steps.
+            return {"planner": self.planner.state_dict(),
+                    "position": {"epoch": self._epoch, "plan": self._start_plan, "applied": self._applied}}
         return dict(self._pending_state or {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_position = state_dict.get("position")
         self._pending_state = dict(state_dict)
         if self.planner is not None and "planner" in state_dict:
             self.planner.load_state_dict(state_dict["planner"], resize=True)
@@ -264,6 +282,10 @@ class BatchBalancer(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         release_process_group_at_exit()
+        # On a GPU the compute times come from CUDA events: the host only queues the GPU's work.
+        self.timer.set_device(trainer.strategy.root_device)
+        self._time_fetches(trainer)
+        self._resume_train_loader(trainer)
         if self._advisor is not None:
             comm = StrategyCollectives(trainer.strategy)
             start_advisor(self._advisor, comm, trainer.current_epoch, trainer.world_size)
@@ -300,16 +322,25 @@ class BatchBalancer(Callback):
             )
         # A fit resumed from a mid-epoch checkpoint continues that epoch without an epoch start: the balanced
         # sampler restored its plans and position; the epoch's record starts from them.
+        resumed_at, self._resumed_at = self._resumed_at, None
         if not trainer.fit_loop.restarted_mid_epoch:
             return
         self._utilisation(trainer).start()
         planner = self.ensure_planner(trainer)
         own = self.own_batch_sampler(trainer)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        if resumed_at is not None and resumed_at[0] != done:
+            self._warn_once("resume-step", (
+                f"BatchBalancer: the resumed epoch skipped {resumed_at[0]} steps of the train loader, but Lightning "
+                f"resumes it after {done}: some of the epoch's samples may run twice or not at all. HINT: resume "
+                "from a checkpoint saved by ModelCheckpoint, or from an end-of-epoch checkpoint."))
         if own is not None and planner is not None:
             changes = [{"step": k, "batch_sizes": list(p)} for k, p in own.plan_changes]
             self._begin_epoch(trainer, planner, list(own.sampler.plan), changes, applied=True)
         else:
-            self._begin_epoch(trainer, planner, self.loaders.loader_batch_sizes(trainer), [], applied=False)
+            applied = resumed_at is not None and resumed_at[1] and planner is not None
+            start = list(planner.plan) if applied else self.loaders.loader_batch_sizes(trainer)  # type: ignore[union-attr]
+            self._begin_epoch(trainer, planner, start, [], applied=applied)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         planner = self.ensure_planner(trainer)
@@ -317,9 +348,11 @@ class BatchBalancer(Callback):
         if self._resumed_relocation is not None and planner is not None:
             adopt_relocation(trainer, self._coordinate(trainer), self._resumed_relocation)
             self._resumed_relocation = None
-        if self.options.balance_eval and planner is not None:
+        if self.options.balance_eval and planner is not None and getattr(trainer.strategy, "balancer", None) is self:
             # Lightning prepares the validation loaders once, at the first validation (under an equal plan):
-            # every epoch hands them the current plan's shares.
+            # every epoch hands them the current plan's shares. Only under a balanced strategy: a stock strategy
+            # averages the summed batch sizes of sample-weighted metrics as an integer (truncated), which uneven
+            # per-rank validation batches make odd, so validation beside it keeps Lightning's equal batches.
             vals = trainer.val_dataloaders
             for val in vals.values() if isinstance(vals, dict) else vals if isinstance(vals, (list, tuple)) else [vals]:
                 if isinstance(val, DataLoader):
@@ -350,6 +383,7 @@ class BatchBalancer(Callback):
         self._plan_changes = changes
         self._start_plan = start_plan
         self._applied = applied
+        self._epoch = trainer.current_epoch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         counts = self.loaders.step_counts(trainer, batch_idx)
@@ -359,6 +393,7 @@ class BatchBalancer(Callback):
             local, total = self._batch_size(batch), 0
         weight = local / total if total else 1.0 / trainer.world_size
         if self._hook_state is not None:
+            self._rescale_window(trainer, pl_module, batch_idx, weight)
             self._hook_state.weight = weight
         if self._external_weighting is not None:
             self._external_weighting.set_weight(weight)
@@ -366,12 +401,18 @@ class BatchBalancer(Callback):
         if self._epoch_start is None:
             self._epoch_start = now
         self.timer.start_step(local)
+        self._step_fetch, self._fetch_time = self._fetch_time, None
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.timer.mark_backward_end()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.timer.end_step()
+        rec = self.timer.end_step()
+        if rec is not None and self._step_fetch is not None and self._step_fetch < rec.data_time:
+            # The gap since the last step also holds the wait for the other ranks in Lightning's per-batch
+            # collective (its SIGTERM broadcast): under gradient accumulation a fast rank waits there for the slow
+            # one at every micro-batch. Only the time spent fetching the batch is data loading.
+            self.timer.set_data_time(self._step_fetch)  # keeps a step timed by device events unread
         self._epoch_end = time.perf_counter()
         own = self.own_batch_sampler(trainer)
         if own is None or self.planner is None or own.sampler.locality:
@@ -447,11 +488,119 @@ class BatchBalancer(Callback):
                 metrics["hetero/samples_per_s"] = float(entry["samples_per_s"])
             pl_module.log_dict(metrics, sync_dist=True)  # equal on every rank; the sync only silences a warning
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._untime_fetches(trainer)
+        _unwrap_process_dataloader(trainer.strategy)  # a resume wrapper no train loader reached
+        self._fetch_began = self._fetch_time = self._step_fetch = None
+
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank's predictions, concatenated in rank order, which is dataset order."""
         self.loaders.gather_predictions(trainer)
 
     # ------------------------------------------------------------------ internals
+    def _rescale_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int,
+                        weight: float) -> None:
+        """Under gradient accumulation the comm hook weights a window's summed gradient once, by the weight of the
+        window's last micro-batch. A window whose micro-batches have different shares (the epoch's last, partial
+        step among full ones) keeps the gradient accumulated so far as sum_j (w_j / w) g_j for the new weight w,
+        so the hook's w gives sum_j w_j g_j: each micro-batch weighted by its own share, as one process on the
+        union of each micro-batch's samples."""
+        state = self._hook_state
+        window = max(1, int(trainer.accumulate_grad_batches))
+        ddp = trainer.strategy.model
+        if (state is None or window == 1 or batch_idx % window == 0 or weight <= 0 or state.weight == weight
+                or self._hooked is None or self._hooked() is not ddp):
+            return
+        ratio = state.weight / weight
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(ratio)
+
+    def _time_fetches(self, trainer: pl.Trainer) -> None:
+        """Time the train loop's batch fetches through the profiler calls Lightning makes around each of them
+        (``[_TrainingEpochLoop].train_dataloader_next``), so that a step's data time is the time spent fetching,
+        not the time waiting for other ranks in a collective between batches. Undone at teardown."""
+        self._untime_fetches(trainer)  # a wrapper left by an earlier fit (e.g. one that raised)
+        profiler = trainer.profiler
+        start, stop = profiler.start, profiler.stop
+        ref = weakref.ref(self)
+
+        def timed_start(action_name: str) -> None:
+            me = ref()
+            if me is not None and action_name.endswith(_FETCH_ACTION):
+                me._fetch_began = time.perf_counter()
+            start(action_name)
+
+        def timed_stop(action_name: str) -> None:
+            stop(action_name)
+            me = ref()
+            if me is not None and action_name.endswith(_FETCH_ACTION) and me._fetch_began is not None:
+                me._fetch_time = (me._fetch_time or 0.0) + time.perf_counter() - me._fetch_began
+                me._fetch_began = None
+
+        profiler.start, profiler.stop = timed_start, timed_stop  # type: ignore[method-assign]
+        profiler._hetero_fetch_timer = (start, stop)  # type: ignore[attr-defined]
+
+    def _resume_train_loader(self, trainer: pl.Trainer) -> None:
+        """Beside a stock strategy, a fit resumed from a mid-epoch checkpoint would restart the epoch's loader
+        from its first batch while Lightning counts on from the step it stopped at (samples run twice, others not
+        at all). Lightning prepares that loader through ``strategy.process_dataloader`` after the checkpoint's
+        loop state is restored and before the first batch is drawn: there the epoch's plan is put back and each
+        rank's batches already trained on are skipped. The strategy is left as it was at teardown."""
+        strategy = trainer.strategy
+        position, self._resume_position = self._resume_position, None
+        if position is None or getattr(strategy, "balancer", None) is not None:
+            return  # nothing to resume, or a balanced strategy (its loader checkpoints its own position)
+        original = strategy.process_dataloader
+        ref = weakref.ref(self)
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = original(dataloader)
+            me = ref()
+            if me is not None and trainer.state.stage == RunningStage.TRAINING:
+                _unwrap_process_dataloader(strategy)  # the first train loader only
+                me._resume_epoch(dataloader, trainer, position)
+            return dataloader
+
+        process_dataloader._hetero_resume = True  # type: ignore[attr-defined]
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+
+    def _resume_epoch(self, dl: object, trainer: pl.Trainer, position: dict[str, Any]) -> None:
+        """Skip this rank's batches of the checkpointed epoch that ran before the checkpoint (see above)."""
+        done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        if position.get("epoch") != trainer.current_epoch or done <= 0 or not isinstance(dl, DataLoader):
+            return
+        try:
+            steps = len(dl)
+        except TypeError:
+            return  # no length (an IterableDataset): the loader keeps its own batches
+        limit = trainer.limit_train_batches
+        if limit is not None:
+            steps = min(steps, int(limit) if isinstance(limit, int) else int(steps * float(limit)))
+        if done >= steps:
+            return  # the epoch's training steps are all done
+        applied = bool(position.get("applied")) and self.ensure_planner(trainer, dl) is not None
+        found = loader_plan(dl, trainer.world_size)
+        ran = list(self.planner.plan) if applied else found[0] if found else None  # type: ignore[union-attr]
+        if ran is None or ran != list(position.get("plan") or []):
+            # resumed on another world size or batch: the saved epoch's order cannot be rebuilt
+            self._warn_once("resume-plan", (
+                "BatchBalancer: the mid-epoch checkpoint's epoch ran a plan this run cannot rebuild (another "
+                "world size or batch size); the epoch's remaining steps run the loader's own batches, so some "
+                "samples may run twice or not at all. HINT: resume a mid-epoch checkpoint with the same world "
+                "size and batch size, or from an end-of-epoch checkpoint."))
+            return
+        if self.loaders.resume(dl, trainer, done, applied):
+            self._resumed_at = (done, applied)
+
+    @staticmethod
+    def _untime_fetches(trainer: pl.Trainer) -> None:
+        profiler = trainer.profiler
+        if getattr(profiler, "_hetero_fetch_timer", None) is not None:
+            for name in ("start", "stop", "_hetero_fetch_timer"):
+                profiler.__dict__.pop(name, None)
+
     def _coordinate(self, trainer: pl.Trainer) -> PlanCoordinator:
         """The coordinator of this planner over this trainer's strategy (made again if either changed)."""
         assert self.planner is not None
@@ -508,6 +657,12 @@ class BatchBalancer(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
+
+
+def _unwrap_process_dataloader(strategy: Any) -> None:
+    """Take the resume wrapper of ``BatchBalancer._resume_train_loader`` off ``strategy`` (if it is there)."""
+    if getattr(strategy.__dict__.get("process_dataloader"), "_hetero_resume", False):
+        del strategy.__dict__["process_dataloader"]
 
 
 def _option(name: str) -> property:
