@@ -15,6 +15,7 @@ end says little (it is often 0% while the ranks wait at a barrier or load data):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -51,6 +52,21 @@ class StepRecord:
 class StepTimer:
     """Measures one rank's steps. Call ``start_step`` / ``mark_gradients_ready`` / ``end_step`` in order.
 
+    On a CUDA device (:meth:`set_device`) the compute time is read from CUDA events recorded on the stream at
+    the step's start and at its last gradient-ready mark, not from the host's clock: the host only *queues*
+    kernels, so a host time stamp at a gradient hook says when the backward pass was launched, not when the GPU
+    finished it, and a GPU slowed by a co-runner (or an MPS share) would look as fast as the others whenever
+    the host runs ahead. The events are read lazily (:attr:`records`, :meth:`pop_records`), so a step adds no
+    host synchronisation; reading waits only for the last step's gradients. Data time stays on the host clock
+    (it is host work). Elsewhere (CPU, no CUDA) everything is host time.
+
+    Args:
+        clock: the host clock, in seconds.
+        device: where the step's compute runs (``torch.device``, ``"cuda:1"``, ...; ``None``: the host's clock
+            only). Also settable later with :meth:`set_device`, once the training device is known.
+        event_factory: makes the timing events (default ``torch.cuda.Event(enable_timing=True)`` on a CUDA
+            device): objects with ``record()``, ``synchronize()`` and ``elapsed_time(other)`` in milliseconds.
+
     Example::
 
         >>> t = StepTimer()
@@ -59,13 +75,51 @@ class StepTimer:
         (8, True)
     """
 
-    def __init__(self, clock: Any = time.perf_counter) -> None:
+    def __init__(self, clock: Any = time.perf_counter, device: Any = None,
+                 event_factory: Callable[[], Any] | None = None) -> None:
         self._clock = clock
         self._step_start: float | None = None
         self._ready: float | None = None
         self._last_end: float | None = None
         self._batch_size = 0
-        self.records: list[StepRecord] = []
+        self._data_time = 0.0
+        self._records: list[StepRecord | _PendingStep] = []
+        self._event_factory: Callable[[], Any] | None = None
+        self._start_event: Any = None
+        self._ready_event: Any = None
+        self.set_device(device, event_factory)
+
+    def set_device(self, device: Any, event_factory: Callable[[], Any] | None = None) -> None:
+        """Time the compute on ``device``: CUDA events on a CUDA device (or ``event_factory``'s), the host
+        clock elsewhere. Takes effect from the next :meth:`start_step`."""
+        if event_factory is not None:
+            self._event_factory = event_factory
+            return
+        self._event_factory = None
+        if device is None:
+            return
+        import torch
+
+        dev = torch.device(device) if not isinstance(device, torch.device) else device
+        if dev.type == "cuda" and torch.cuda.is_available():
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+
+            def cuda_event() -> Any:
+                with torch.cuda.device(index):
+                    return torch.cuda.Event(enable_timing=True)
+
+            self._event_factory = cuda_event
+
+    @property
+    def uses_events(self) -> bool:
+        """Whether compute times come from device events (a CUDA device) rather than the host clock."""
+        return self._event_factory is not None
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """The steps measured since the last :meth:`pop_records` (reading them waits for their events)."""
+        self._resolve()
+        return self._records  # type: ignore[return-value]
 
     def start_step(self, batch_size: int) -> None:
         now = self._clock()
@@ -73,39 +127,97 @@ class StepTimer:
         self._step_start = now
         self._ready = None
         self._batch_size = int(batch_size)
+        self._start_event = self._ready_event = None
+        if self._event_factory is not None:
+            self._start_event = self._event_factory()
+            self._start_event.record()
 
     def set_samples(self, batch_size: int) -> None:
         """Correct the samples of the step in progress (micro-batched steps learn it at the end)."""
         self._batch_size = int(batch_size)
 
     def mark_gradients_ready(self) -> None:
-        """This rank's gradients (or a bucket of them) are ready; the last call of a step counts."""
+        """This rank's gradients (or a bucket of them) are ready; the last call of a step counts. Called from a
+        gradient hook, so on a CUDA device the event goes on the stream that produced the gradients."""
         if self._step_start is not None:
             self._ready = self._clock()
+            self._record_ready()
 
     def mark_backward_end(self) -> None:
         """End of backward; used only where no gradient hook fired during the step."""
         if self._step_start is not None and self._ready is None:
             self._ready = self._clock()
+            self._record_ready()
 
     def end_step(self) -> StepRecord | None:
+        """Close the step. Its record is returned (and kept) as measured on the host; where device events time
+        it, the kept record gets the device time when read (:attr:`records`)."""
         now = self._clock()
         self._last_end = now
         if self._step_start is None:
             return None
         ready = self._ready if self._ready is not None else now
         rec = StepRecord(self._batch_size, ready - self._step_start, self._data_time)
-        self.records.append(rec)
+        if self._start_event is not None:
+            if self._ready_event is None:
+                self._record_ready()
+            self._records.append(_PendingStep(rec, self._start_event, self._ready_event))
+        else:
+            self._records.append(rec)
         self._step_start = None
+        self._start_event = self._ready_event = None
         return rec
 
+    def set_data_time(self, seconds: float) -> None:
+        """Replace the data time of the last step ended (an integration that measured the fetch itself)."""
+        if not self._records:
+            return
+        last = self._records[-1]
+        if isinstance(last, _PendingStep):
+            last.host = dataclasses.replace(last.host, data_time=float(seconds))
+        else:
+            self._records[-1] = dataclasses.replace(last, data_time=float(seconds))
+
     def pop_records(self) -> list[StepRecord]:
-        out, self.records = self.records, []
+        out = self.records
+        self._records = []
         return out
 
     def reset_data_clock(self) -> None:
         """Forget the previous step's end (so an epoch boundary is not counted as data loading)."""
         self._last_end = None
+
+    def _record_ready(self) -> None:
+        if self._start_event is None:
+            return
+        if self._ready_event is None:
+            self._ready_event = self._event_factory()  # type: ignore[misc]
+        self._ready_event.record()  # recorded again at each mark: the last one counts
+
+    def _resolve(self) -> None:
+        for i, rec in enumerate(self._records):
+            if isinstance(rec, _PendingStep):
+                self._records[i] = rec.resolve()
+
+
+@dataclass
+class _PendingStep:
+    """A step timed by device events, not read yet: its host record and the events around its compute."""
+
+    host: StepRecord
+    start: Any
+    ready: Any
+
+    def resolve(self) -> StepRecord:
+        try:
+            self.ready.synchronize()
+            seconds = float(self.start.elapsed_time(self.ready)) / 1e3
+        except RuntimeError as err:  # an event that never ran (a device error): keep the host's measurement
+            log.debug("device timing of a step unavailable (%s); using the host's clock", err)
+            return self.host
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return self.host
+        return dataclasses.replace(self.host, compute_time=seconds)
 
 
 def memory_cap(batch_size: int, peak_bytes: int, baseline_bytes: int, total_bytes: int, headroom: float = 0.9) -> int:

@@ -222,6 +222,51 @@ def worker_memory_cap(small: int, large: int) -> None:
                                f"{cap} samples in 90% of {total / 2**30:.0f} GiB"})
 
 
+def worker_step_timer() -> None:
+    """``StepTimer`` with CUDA events against a synchronised wall-clock reference, at two batch sizes."""
+    import statistics
+
+    import torch
+
+    from hetero_plugins.telemetry import StepTimer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(6)]).cuda()
+    timer = StepTimer(device="cuda:0")
+    for p in model.parameters():
+        p.register_hook(lambda g: (timer.mark_gradients_ready(), g)[1])
+
+    def step(b: int) -> float:
+        x = torch.randn(b, 2048, device="cuda")
+        timer.start_step(b)
+        model(x).sum().backward()
+        rec = timer.end_step()
+        model.zero_grad(set_to_none=True)
+        return rec.compute_time  # the host's stamps (what the timer measured before it used events)
+
+    def reference(b: int) -> float:
+        x = torch.randn(b, 2048, device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    for b in (2048, 8192):
+        step(b), reference(b)  # warm-up
+    timer.pop_records()
+    rows, ok = [], True
+    for b in (2048, 8192):
+        host = [step(b) for _ in range(8)]
+        events = [r.compute_time for r in timer.pop_records()]
+        ref = [reference(b) for _ in range(8)]
+        h, e, r = statistics.median(host), statistics.median(events), statistics.median(ref)
+        ok = ok and abs(e / r - 1) < 0.25
+        rows.append(f"batch {b}: events {e * 1e3:.1f} ms, synchronised {r * 1e3:.1f} ms, host stamps {h * 1e3:.1f} ms")
+    _emit({"ok": ok, "detail": "; ".join(rows)})
+
+
 # -- orchestration --------------------------------------------------------------------------------------------
 
 
@@ -346,6 +391,9 @@ def main_check(timeout: int) -> int:
                 rows.append((f"  {name} vs stock ddp", "INFO", f"{speedup:.2f}x faster ({speedup / 2.5:.2f} of the "
                                                                 f"ideal 2.5x)"))
 
+    res = _collect([_run(["steptimer"], timeout)], timeout)
+    rows.append(("step timer on CUDA (events vs synchronised)", status(res), res.get("detail", "")))
+
     res = _collect([_run(["memcap", "--small", "32", "--large", "128"], timeout)], timeout)
     rows.append(("memory cap from real peak memory", status(res), res.get("detail", "")))
 
@@ -383,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.worker == "train":
         worker_train(args.strategy, args.aggregation, args.backend, args.nodes, args.epochs, args.model, args.emulate,
                      args.accelerator)
+    elif args.worker == "steptimer":
+        worker_step_timer()
     elif args.worker == "memcap":
         worker_memory_cap(args.small, args.large)
     else:

@@ -462,6 +462,8 @@ class HeteroBatchSampler(Sampler[list[int]]):
             if self._utilisation is None:
                 self._utilisation = UtilisationSampler(gpu)
             self._monitor = SystemMonitor(gpu)
+            if gpu is not None:  # compute times from CUDA events: the host only queues the GPU's work
+                self.timer.set_device(f"cuda:{gpu}")
         return self._utilisation, self._monitor
 
     def _reconcile_hosts(self) -> None:
