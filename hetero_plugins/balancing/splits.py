@@ -139,8 +139,9 @@ def min_makespan_split(intercept: Any, slope: Any, global_batch: int, min_batch:
         slope: per-rank seconds per sample ``s_i`` (finite, > 0).
         global_batch: samples to split.
         min_batch, max_batch: per-rank inclusive bounds.
-        knee, beyond: ``None``, or per rank a batch size (``>= 0``, ``inf``: none) and the seconds per sample past
-            it (finite, > 0).
+        knee, beyond: ``None``, or per rank a batch size (``>= 0``, ``inf``: none; a non-integer one bends the
+            curve between two batch sizes, as :func:`~hetero_plugins.balancing.lines.curve_times` does) and the
+            seconds per sample past it (finite, > 0).
 
     Example::
 
@@ -168,7 +169,10 @@ def min_makespan_split(intercept: Any, slope: Any, global_batch: int, min_batch:
     finite = np.isfinite(k)
     kf = np.where(finite, np.floor(k), hi)
     m = np.clip(kf, lo, hi)
-    a2 = np.where(finite, a + s * kf - c * kf, a)
+    # The second line passes through the first at the knee itself, exactly as ``curve_times`` writes it (for a
+    # knee between two batch sizes too: the batches up to its floor are on the first line, the rest on the second).
+    kr = np.where(finite, k, 0.0)
+    a2 = np.where(finite, a + s * kr - c * kr, a)
     extra = _smallest_of_progressions(np.concatenate([a, a2]), np.concatenate([s, np.where(finite, c, s)]),
                                       np.concatenate([lo, m]), np.concatenate([m, hi]), need)
     n = len(a)
