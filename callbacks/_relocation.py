@@ -5,12 +5,18 @@ the ``ClusterAdvisor``). Under torchrun with restarts left, a relocation whose m
 applied: every rank checkpoints beside the spec and stops with :class:`RelocationRestart`; torchrun starts
 the workers again, and ``Trainer.fit(..., ckpt_path=resume_checkpoint(spec))`` resumes, the moved ranks'
 time models starting from the NCF-predicted lines of their slots.
+
+The order keeps a crash at any point resumable: the checkpoint is saved first (under a name of its own per
+attempt and epoch, so an earlier spec never names a file being rewritten), and only then does rank 0 write the
+spec that names it. A worker dying before that leaves the earlier spec (or none) in force, and torchrun's
+restart resumes from what it names (or starts afresh), never from a spec whose checkpoint is missing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +27,11 @@ from hetero_plugins.balancing.options import BalancingOptions
 
 log = logging.getLogger("hetero_plugins.callbacks.batch_balancer")
 
-__all__ = ["RelocationRestart", "adopt_relocation", "resumed_relocation", "restart_for_relocation", "spec_path",
-           "write_torchrun_relocation"]
+__all__ = ["RelocationRestart", "adopt_relocation", "due_relocation", "resume_disagreement", "resumed_relocation",
+           "restart_for_relocation", "spec_path", "write_torchrun_relocation"]
+
+#: Rank 0's specs built at a decision and written once their checkpoint is on disk, by checkpoint path.
+_PENDING: dict[str, dict[str, Any]] = {}
 
 
 class RelocationRestart(RuntimeError):
@@ -36,20 +45,47 @@ def spec_path(options: BalancingOptions, trainer: pl.Trainer) -> str:
 
 def resumed_relocation(options: BalancingOptions, trainer: pl.Trainer) -> dict[str, Any] | None:
     """The restart spec this fit resumes from (its checkpoint is ``trainer.ckpt_path``), else ``None``."""
-    from hetero_plugins.scheduler.restart_spec import read_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import check_relocation_spec, read_relocation_spec
 
-    spec = read_relocation_spec(spec_path(options, trainer), world_size=trainer.world_size)
     ckpt = trainer.ckpt_path
-    if spec is None or not spec.get("checkpoint") or not ckpt:
+    if not ckpt:  # a fresh fit: a spec left in the folder (another job's, of another world size) is not read
         return None
-    return spec if os.path.abspath(str(ckpt)) == os.path.abspath(spec["checkpoint"]) else None
+    path = spec_path(options, trainer)
+    spec = read_relocation_spec(path)
+    if spec is None or not spec.get("checkpoint") or os.path.abspath(str(ckpt)) != os.path.abspath(spec["checkpoint"]):
+        return None
+    return check_relocation_spec(spec, f"restart spec {path!r}", world_size=trainer.world_size)
+
+
+def due_relocation(options: BalancingOptions, trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The restart spec this torchrun attempt restarts into (``resume_checkpoint`` returns its checkpoint), known
+    before ``Trainer.fit`` restores the checkpoint (``trainer.ckpt_path`` is set only then), else ``None``."""
+    from hetero_plugins.scheduler.restart_spec import due_relocation_spec
+
+    return due_relocation_spec(spec_path(options, trainer), world_size=trainer.world_size)
+
+
+def resume_disagreement(resumed: list[bool], spec: str) -> str | None:
+    """Why ranks that resumed from a checkpoint (``resumed[r]``) cannot train beside ranks that start afresh, else
+    ``None`` when all agree. Ranks on a node whose folder lacks the restart spec (written by rank 0 on its own
+    node) start afresh after a relocation restart while the others resume: they would exchange gradients across
+    different epochs until one side finishes."""
+    if all(resumed) or not any(resumed):
+        return None
+    ahead = [r for r, x in enumerate(resumed) if x]
+    fresh = [r for r, x in enumerate(resumed) if not x]
+    return (f"rank(s) {ahead} resume from a checkpoint but rank(s) {fresh} start from scratch: they would train "
+            f"different epochs together. After a relocation restart every rank must find the restart spec {spec!r} "
+            "and the checkpoint beside it. HINT: put `restart_spec` on a file system every node shares (e.g. "
+            "HeteroDDPStrategy(restart_spec='/shared/run/hetero_restart.json')) and pass the same "
+            "Trainer.fit(..., ckpt_path=resume_checkpoint(that path)) on every rank.")
 
 
 def write_torchrun_relocation(trainer: pl.Trainer, options: BalancingOptions, warn_once: Callable[[str, str], None],
                               info: dict[str, Any], decision: Any, upcoming: Any) -> None:
     """Rank 0, for a new gaining relocation: write the spec; under torchrun with restarts left and moves that stay
     on their hosts, name the checkpoint every rank saves before the restart (``info["checkpoint"]``)."""
-    from hetero_plugins.scheduler.restart_spec import torchelastic_restarts, write_relocation_spec
+    from hetero_plugins.scheduler.restart_spec import relocation_spec, torchelastic_restarts, write_relocation_spec
 
     path = spec_path(options, trainer)
     extra: dict[str, Any] = {}
@@ -66,26 +102,73 @@ def write_torchrun_relocation(trainer: pl.Trainer, options: BalancingOptions, wa
             "fail to connect (PyTorch issue #135712). HINT: launch torchrun with "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to let relocations restart the workers."))
     elif options.apply_relocation and restarts_left and same_host:
-        extra = {"checkpoint": os.path.join(os.path.dirname(os.path.abspath(path)), "hetero_relocation.ckpt"),
+        # A name of its own per attempt and epoch: the spec in force may name the last relocation's checkpoint.
+        name = f"hetero_relocation-attempt{elastic[1]}-epoch{info['epoch']}.ckpt"  # type: ignore[index]
+        extra = {"checkpoint": os.path.join(os.path.dirname(os.path.abspath(path)), name),
                  "run_id": elastic[0], "restart_count": elastic[1]}  # type: ignore[index]
     elif options.apply_relocation and elastic is not None and not same_host:
         log.warning("BatchBalancer: the relocation moves ranks across hosts, which a torchrun restart "
                     "cannot do; the spec is written for the launcher.")
-    info["spec"] = str(write_relocation_spec(path, decision, places, upcoming.free_slots,
-                                             epoch=info["epoch"], extra=extra))
+    if extra:  # written by restart_for_relocation once every rank's checkpoint is saved
+        spec = relocation_spec(path, decision, places, upcoming.free_slots, epoch=info["epoch"], extra=extra)
+        _PENDING[extra["checkpoint"]] = {"path": path, "spec": spec}
+        info["spec"] = path
+    else:
+        info["spec"] = str(write_relocation_spec(path, decision, places, upcoming.free_slots,
+                                                 epoch=info["epoch"], extra=extra))
     info["checkpoint"] = extra.get("checkpoint")
     log.warning("BatchBalancer: relocation %s predicted %.1f%% faster; spec %s", decision.moves,
                 100 * decision.predicted_gain, info["spec"])
 
 
 def restart_for_relocation(trainer: pl.Trainer, info: dict[str, Any]) -> None:
-    """Every rank: checkpoint, then stop so that torchrun restarts the workers on the new placement."""
+    """Every rank: checkpoint; rank 0 then writes the spec naming it; stop so that torchrun restarts the workers on
+    the new placement. If rank 0 cannot write the spec, every rank warns and trains on in place."""
     trainer.save_checkpoint(info["checkpoint"])
     trainer.strategy.barrier("hetero_relocation")
+    problem = None
+    if trainer.is_global_zero:
+        problem = _publish_pending(info["checkpoint"])
+    problem = trainer.strategy.broadcast(problem, src=0)
+    if problem is not None:
+        info["checkpoint"] = None
+        warnings.warn(f"BatchBalancer: not restarting to apply the relocation {info['moves']}: the restart spec "
+                      f"{info['spec']!r} could not be written ({problem}); training goes on in place. HINT: make "
+                      "`restart_spec` (default <default_root_dir>/hetero_restart.json) writable.", RuntimeWarning,
+                      stacklevel=2)
+        return
     raise RelocationRestart(
         f"hetero_plugins: stopping the workers to apply the relocation {info['moves']} (rank, free slot), "
         f"predicted {100 * info['predicted_gain']:.1f}% faster steps; torchrun restarts them, and "
         f"Trainer.fit(..., ckpt_path=resume_checkpoint({info['spec']!r})) resumes from {info['checkpoint']!r}.")
+
+
+def _publish_pending(checkpoint: str) -> str | None:
+    """Rank 0: write the spec built for ``checkpoint`` (now on disk); drop the checkpoint of the spec it replaces
+    when the same torchrun run wrote both. Returns why it could not be written, else ``None``."""
+    from hetero_plugins.scheduler.restart_spec import publish_relocation_spec, read_relocation_spec
+
+    pending = _PENDING.pop(checkpoint, None)
+    if pending is None:
+        return "no restart spec was prepared on rank 0"
+    try:
+        previous = read_relocation_spec(pending["path"])
+    except ValueError:
+        previous = None
+    try:
+        publish_relocation_spec(pending["path"], pending["spec"])
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    old = (previous or {}).get("checkpoint")
+    same_run = previous is not None and previous.get("run_id") == pending["spec"].get("run_id")  # never another run's
+    if old and same_run and os.path.abspath(old) != os.path.abspath(checkpoint) and \
+            os.path.dirname(os.path.abspath(old)) == os.path.dirname(os.path.abspath(checkpoint)) and \
+            os.path.basename(old).startswith("hetero_relocation"):
+        try:  # the last relocation's checkpoint: no spec names it any more
+            os.remove(old)
+        except OSError:
+            pass
+    return None
 
 
 def adopt_relocation(trainer: pl.Trainer, coordinator: PlanCoordinator, spec: dict[str, Any]) -> None:

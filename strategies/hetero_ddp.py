@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.options import BalancingOptions
+from hetero_plugins.callbacks._relocation import due_relocation, resume_disagreement
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.collectives import TorchCollectives, release_process_group_at_exit
 from hetero_plugins.strategies._aggregation import AggregationMixin
@@ -61,6 +62,8 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         balancer: the bundled :class:`~hetero_plugins.callbacks.BatchBalancer`.
         batch_plan: current per-rank batch sizes, global-rank order (``None`` before training starts).
         plan_history: one dict per epoch (see :class:`~hetero_plugins.callbacks.BatchBalancer`).
+        relocated_slot: after a relocation restart under torchrun, this rank's entry of the restart spec (its
+            ``device``, ``corunner``, ``from``, and the ``host`` / ``index`` it runs on), else ``None``.
 
     Example::
 
@@ -92,6 +95,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
                              f"timeout=datetime.timedelta(seconds={seconds}), or None for torch's default.")
         super().__init__(timeout=timeout, **kwargs)
         self.balancer = BatchBalancer(options)
+        self.relocated_slot: dict[str, Any] | None = None
         self._init_aggregation(aggregation)
 
     @override
@@ -110,15 +114,22 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         release_process_group_at_exit()
 
     def _place_relocated_rank(self) -> None:
-        """After a relocation restart, run this rank on the accelerator ``index`` its slot names (same host)."""
+        """After a relocation restart, run this rank on the accelerator ``index`` its slot names (same host).
+
+        Runs before ``Trainer.fit`` restores the checkpoint (``trainer.ckpt_path`` is still unset), so the spec is
+        found by ``resume_checkpoint``'s rule: this torchrun attempt restarts into it. ``relocated_slot`` is then
+        this rank's entry of the spec.
+        """
+        self.relocated_slot = None
         module = self._lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is None or not self.parallel_devices:
             return
-        spec = self.balancer.resumed_relocation(trainer)
+        spec = due_relocation(self.balancer.options, trainer)
         if spec is None:
             return
         slot = next((r for r in spec.get("ranks", []) if r.get("rank") == self.global_rank), None)
+        self.relocated_slot = slot
         index = None if slot is None else slot.get("index")
         device = self.parallel_devices[self.local_rank]
         if index is None or device.type == "cpu":
@@ -133,7 +144,20 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._check_resumed_together(trainer)
             self._setup_aggregation(trainer)
+
+    def _check_resumed_together(self, trainer: pl.Trainer) -> None:
+        """With a cluster description (relocations restart the workers): every rank resumes, or none does. A rank
+        that found no restart spec after a relocation restart (its node does not share the spec's folder) would
+        otherwise train from epoch 0 beside ranks resumed at a later epoch. One all-gather at fit start."""
+        if self.balancer.cluster is None or self.world_size < 2:
+            return
+        flag = torch.tensor([1.0 if trainer.ckpt_path else 0.0], device=self.root_device)
+        resumed = [bool(x) for x in self.all_gather(flag).reshape(-1).tolist()]
+        problem = resume_disagreement(resumed, self.balancer.spec_path(trainer))
+        if problem is not None:
+            raise ValueError(problem)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -29,8 +29,9 @@ import numpy as np
 from hetero_plugins._files import write_atomic
 from hetero_plugins.cluster import check_host_name
 
-__all__ = ["RelocationDecision", "check_relocation_spec", "read_relocation_spec", "resume_checkpoint",
-           "torchelastic_restarts", "write_relocation_spec"]
+__all__ = ["RelocationDecision", "check_relocation_spec", "due_relocation_spec", "publish_relocation_spec",
+           "read_relocation_spec", "relocation_spec", "resume_checkpoint", "torchelastic_restarts",
+           "write_relocation_spec"]
 
 
 class RelocationDecision(Protocol):
@@ -99,9 +100,24 @@ def write_relocation_spec(path: str | Path, decision: RelocationDecision, places
         ValueError: ``decision`` has another number of ranks than ``places``, a move names no entry of
             ``free_slots``, or the spec would not read back (e.g. a negative ``index`` in a place).
     """
+    spec = relocation_spec(path, decision, places, free_slots, epoch=epoch, extra=extra)
+    if spec is None:
+        return None
+    return publish_relocation_spec(path, spec)
+
+
+def relocation_spec(path: str | Path, decision: RelocationDecision, places: Sequence[Mapping[str, Any]],
+                    free_slots: Sequence[Mapping[str, Any]], epoch: int | None = None,
+                    extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The restart spec :func:`write_relocation_spec` writes to ``path``, built and checked but not written
+    (``None`` when nobody moves): an integration that must save a checkpoint first writes it afterwards with
+    :func:`publish_relocation_spec`, so the spec never names a checkpoint that is not on disk yet.
+
+    Raises:
+        ValueError: as :func:`write_relocation_spec`.
+    """
     if not decision.moves:
         return None
-    path = Path(path)
     if len(decision.targets) != len(places) or len(decision.lines) != len(places):
         raise ValueError(f"`decision` has {len(decision.targets)} ranks but `places` has {len(places)} entries. "
                          "HINT: pass each rank's current place (the cluster view's `places`), one per rank.")
@@ -125,13 +141,20 @@ def write_relocation_spec(path: str | Path, decision: RelocationDecision, places
             "moves": [{"rank": r, "to_free_slot": int(k)} for r, k in decision.moves], **dict(extra or {})}
     check_relocation_spec(spec, f"the restart spec to write to {str(path)!r}",
                           fix="fix the places, free slots or `extra` it is written from.")
+    return spec
+
+
+def publish_relocation_spec(path: str | Path, spec: Mapping[str, Any]) -> Path:
+    """Write a spec built by :func:`relocation_spec` to ``path`` atomically and warn naming the predicted gain."""
+    path = Path(path)
     write_atomic(path, json.dumps(spec, indent=2))
+    moves = [(m["rank"], m["to_free_slot"]) for m in spec["moves"]]
     action = ("the workers restart with it now" if spec.get("checkpoint")
               else "restart the job with that placement to apply it")
     warnings.warn(
-        f"hetero_plugins: moving rank(s) {[r for r, _ in decision.moves]} to free slot(s) "
-        f"{[k for _, k in decision.moves]} is predicted to make steps {100 * decision.predicted_gain:.1f}% faster "
-        f"({decision.saved_seconds:.1f} s saved over the next epochs, restart included); restart spec written to "
+        f"hetero_plugins: moving rank(s) {[r for r, _ in moves]} to free slot(s) "
+        f"{[k for _, k in moves]} is predicted to make steps {100 * spec['predicted_gain']:.1f}% faster "
+        f"({spec['saved_seconds']:.1f} s saved over the next epochs, restart included); restart spec written to "
         f"{str(path)!r}; {action}.",
         RuntimeWarning, stacklevel=2,
     )
@@ -328,26 +351,50 @@ def resume_checkpoint(path: str | Path = "hetero_restart.json") -> str | None:
             (:func:`read_relocation_spec`), or it is due for resuming and its checkpoint is missing.
     """
     spec = read_relocation_spec(path)
-    if spec is None or not spec.get("checkpoint"):
+    checkpoint, warning = _due_checkpoint(spec, path)
+    if warning is not None:
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+    return checkpoint
+
+
+def due_relocation_spec(path: str | Path, world_size: int | None = None) -> dict[str, Any] | None:
+    """The restart spec at ``path`` when this process is a torchrun restart that resumes from its checkpoint
+    (:func:`resume_checkpoint` returns that checkpoint), else ``None``; quiet.
+
+    For what must be known before ``Trainer.fit`` restores the checkpoint (``trainer.ckpt_path`` is set only
+    then), e.g. the accelerator a moved rank runs on. Outside torchrun the spec is not read; a spec that is due
+    is checked against ``world_size``.
+
+    Raises:
+        ValueError: as :func:`resume_checkpoint`, and a due spec whose ranks do not fit ``world_size``.
+    """
+    if torchelastic_restarts() is None:  # only a torchrun restart resumes: the spec is not read
         return None
+    spec = read_relocation_spec(path)
+    checkpoint, _ = _due_checkpoint(spec, path)
+    if spec is None or checkpoint is None:
+        return None
+    return check_relocation_spec(spec, f"restart spec {str(path)!r}", world_size)
+
+
+def _due_checkpoint(spec: dict[str, Any] | None, path: str | Path) -> tuple[str | None, str | None]:
+    """``(checkpoint to resume or None, warning or None)`` by :func:`resume_checkpoint`'s rules."""
+    if spec is None or not spec.get("checkpoint"):
+        return None, None
     label = f"restart spec {str(path)!r}"
     elastic = torchelastic_restarts()
     written = f"torchrun run {spec['run_id']!r}, attempt {spec['restart_count']}"
     stale_fix = (f"HINT: to resume, pass Trainer.fit(..., ckpt_path={spec['checkpoint']!r}) yourself; otherwise "
                  "delete the spec to silence this.")
     if elastic is None:
-        warnings.warn(f"hetero_plugins: {label} names checkpoint {spec['checkpoint']!r} from {written}, but this "
-                      "process was not started by torchrun: starting from scratch. " + stale_fix,
-                      RuntimeWarning, stacklevel=2)
-        return None
+        return None, (f"hetero_plugins: {label} names checkpoint {spec['checkpoint']!r} from {written}, but this "
+                      "process was not started by torchrun: starting from scratch. " + stale_fix)
     run, count, _ = elastic
     if spec["run_id"] != run or count < spec["restart_count"]:
-        warnings.warn(f"hetero_plugins: {label} is stale: it names checkpoint {spec['checkpoint']!r} from {written}, "
-                      f"and this is run {run!r}, attempt {count}: starting from scratch. " + stale_fix,
-                      RuntimeWarning, stacklevel=2)
-        return None
+        return None, (f"hetero_plugins: {label} is stale: it names checkpoint {spec['checkpoint']!r} from "
+                      f"{written}, and this is run {run!r}, attempt {count}: starting from scratch. " + stale_fix)
     if count == spec["restart_count"]:
-        return None  # this attempt wrote it and has not restarted yet
+        return None, None  # this attempt wrote it and has not restarted yet
     checkpoint = str(spec["checkpoint"])
     if not Path(checkpoint).is_file():
         raise ValueError(f"{label}: field `checkpoint` names {checkpoint!r}, which does not exist, so restart "
@@ -355,8 +402,7 @@ def resume_checkpoint(path: str | Path = "hetero_restart.json") -> str | None:
                          "(it is written beside the spec before the workers stop), or delete the spec to start "
                          "from scratch.")
     if run == _DEFAULT_RUN_ID:
-        warnings.warn(f"hetero_plugins: resuming from {checkpoint!r} ({label}) under torchrun's default run id "
-                      f"{run!r}, which every run launched without --rdzv-id shares: the checkpoint may be an earlier "
-                      "run's. HINT: launch torchrun with a unique --rdzv-id (e.g. the job id).",
-                      RuntimeWarning, stacklevel=2)
-    return checkpoint
+        return checkpoint, (f"hetero_plugins: resuming from {checkpoint!r} ({label}) under torchrun's default run "
+                            f"id {run!r}, which every run launched without --rdzv-id shares: the checkpoint may be "
+                            "an earlier run's. HINT: launch torchrun with a unique --rdzv-id (e.g. the job id).")
+    return checkpoint, None
