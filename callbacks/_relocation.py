@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 
 from hetero_plugins.balancing.coordinator import PlanCoordinator
 from hetero_plugins.balancing.options import BalancingOptions
+from hetero_plugins.scheduler.restart_spec import resume_disagreement  # noqa: F401 - re-exported
 
 log = logging.getLogger("hetero_plugins.callbacks.batch_balancer")
 
@@ -63,22 +64,6 @@ def due_relocation(options: BalancingOptions, trainer: pl.Trainer) -> dict[str, 
     from hetero_plugins.scheduler.restart_spec import due_relocation_spec
 
     return due_relocation_spec(spec_path(options, trainer), world_size=trainer.world_size)
-
-
-def resume_disagreement(resumed: list[bool], spec: str) -> str | None:
-    """Why ranks that resumed from a checkpoint (``resumed[r]``) cannot train beside ranks that start afresh, else
-    ``None`` when all agree. Ranks on a node whose folder lacks the restart spec (written by rank 0 on its own
-    node) start afresh after a relocation restart while the others resume: they would exchange gradients across
-    different epochs until one side finishes."""
-    if all(resumed) or not any(resumed):
-        return None
-    ahead = [r for r, x in enumerate(resumed) if x]
-    fresh = [r for r, x in enumerate(resumed) if not x]
-    return (f"rank(s) {ahead} resume from a checkpoint but rank(s) {fresh} start from scratch: they would train "
-            f"different epochs together. After a relocation restart every rank must find the restart spec {spec!r} "
-            "and the checkpoint beside it. HINT: put `restart_spec` on a file system every node shares (e.g. "
-            "HeteroDDPStrategy(restart_spec='/shared/run/hetero_restart.json')) and pass the same "
-            "Trainer.fit(..., ckpt_path=resume_checkpoint(that path)) on every rank.")
 
 
 def write_torchrun_relocation(trainer: pl.Trainer, options: BalancingOptions, warn_once: Callable[[str, str], None],

@@ -44,7 +44,6 @@ from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 
@@ -54,10 +53,13 @@ from hetero_plugins.balancing.options import BalancingOptions, check_keywords, r
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks._collectives import StrategyCollectives
+from hetero_plugins.callbacks._fetch_timer import FetchTimer
 from hetero_plugins.callbacks._loaders import UNSIZED, BalancedLoaders, loader_plan
+from hetero_plugins.callbacks._midepoch_resume import install_resume, uninstall_resume
 from hetero_plugins.callbacks._relocation import (
     RelocationRestart,
     adopt_relocation,
+    due_relocation,
     restart_for_relocation,
     resumed_relocation,
     spec_path,
@@ -80,9 +82,6 @@ from hetero_plugins.telemetry import (
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchBalancer", "RelocationRestart", "resolve_policy"]
-
-#: The profiler action Lightning's training epoch loop wraps around each batch fetch.
-_FETCH_ACTION = ".train_dataloader_next"
 
 #: The keywords the balancing classes take: every option of ``BalancingOptions`` and ``policy``.
 _OPTION_NAMES = (*(f.name for f in dataclasses.fields(BalancingOptions)), "policy")
@@ -162,9 +161,8 @@ class BatchBalancer(Callback):
         self._sampler: UtilisationSampler | None = utilisation
         self._resume_position: dict[str, Any] | None = None  # the checkpointed epoch's plan (see state_dict)
         self._resumed_at: tuple[int, bool] | None = None  # (step, plan installed) of a stock strategy's resume
-        self._fetch_began: float | None = None  # when the train loop began fetching a batch (see _time_fetches)
-        self._fetch_time: float | None = None  # seconds fetching batches since the last step began (None: unseen)
-        self._step_fetch: float | None = None  # the same, for the step in progress
+        self._fetches = FetchTimer()  # the train loop's batch fetches (a step's data time)
+        self._step_fetch: float | None = None  # seconds fetching the step in progress's batch (None: unseen)
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -219,6 +217,11 @@ class BatchBalancer(Callback):
     def resumed_relocation(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """The restart spec this fit resumes from (its checkpoint is ``trainer.ckpt_path``), else ``None``."""
         return resumed_relocation(self.options, trainer)
+
+    def due_relocation(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """The restart spec this torchrun attempt restarts into, known before ``Trainer.fit`` restores the
+        checkpoint (``trainer.ckpt_path`` is unset until then), else ``None``."""
+        return due_relocation(self.options, trainer)
 
     def ensure_planner(self, trainer: pl.Trainer, dl: object = None) -> BalancePlanner | None:
         """The planner, made on first use from the train loader's batch size and dataset (``None``: no loader
@@ -284,8 +287,9 @@ class BatchBalancer(Callback):
         release_process_group_at_exit()
         # On a GPU the compute times come from CUDA events: the host only queues the GPU's work.
         self.timer.set_device(trainer.strategy.root_device)
-        self._time_fetches(trainer)
-        self._resume_train_loader(trainer)
+        self._fetches.attach(trainer)
+        position, self._resume_position = self._resume_position, None
+        install_resume(self, trainer, position)
         if self._advisor is not None:
             comm = StrategyCollectives(trainer.strategy)
             start_advisor(self._advisor, comm, trainer.current_epoch, trainer.world_size)
@@ -401,7 +405,7 @@ class BatchBalancer(Callback):
         if self._epoch_start is None:
             self._epoch_start = now
         self.timer.start_step(local)
-        self._step_fetch, self._fetch_time = self._fetch_time, None
+        self._step_fetch = self._fetches.take()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.timer.mark_backward_end()
@@ -489,9 +493,10 @@ class BatchBalancer(Callback):
             pl_module.log_dict(metrics, sync_dist=True)  # equal on every rank; the sync only silences a warning
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._untime_fetches(trainer)
-        _unwrap_process_dataloader(trainer.strategy)  # a resume wrapper no train loader reached
-        self._fetch_began = self._fetch_time = self._step_fetch = None
+        FetchTimer.detach(trainer)
+        uninstall_resume(trainer.strategy)  # a resume wrapper no train loader reached
+        self._fetches.reset()
+        self._step_fetch = None
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank's predictions, concatenated in rank order, which is dataset order."""
@@ -516,90 +521,6 @@ class BatchBalancer(Callback):
             for p in pl_module.parameters():
                 if p.grad is not None:
                     p.grad.mul_(ratio)
-
-    def _time_fetches(self, trainer: pl.Trainer) -> None:
-        """Time the train loop's batch fetches through the profiler calls Lightning makes around each of them
-        (``[_TrainingEpochLoop].train_dataloader_next``), so that a step's data time is the time spent fetching,
-        not the time waiting for other ranks in a collective between batches. Undone at teardown."""
-        self._untime_fetches(trainer)  # a wrapper left by an earlier fit (e.g. one that raised)
-        profiler = trainer.profiler
-        start, stop = profiler.start, profiler.stop
-        ref = weakref.ref(self)
-
-        def timed_start(action_name: str) -> None:
-            me = ref()
-            if me is not None and action_name.endswith(_FETCH_ACTION):
-                me._fetch_began = time.perf_counter()
-            start(action_name)
-
-        def timed_stop(action_name: str) -> None:
-            stop(action_name)
-            me = ref()
-            if me is not None and action_name.endswith(_FETCH_ACTION) and me._fetch_began is not None:
-                me._fetch_time = (me._fetch_time or 0.0) + time.perf_counter() - me._fetch_began
-                me._fetch_began = None
-
-        profiler.start, profiler.stop = timed_start, timed_stop  # type: ignore[method-assign]
-        profiler._hetero_fetch_timer = (start, stop)  # type: ignore[attr-defined]
-
-    def _resume_train_loader(self, trainer: pl.Trainer) -> None:
-        """Beside a stock strategy, a fit resumed from a mid-epoch checkpoint would restart the epoch's loader
-        from its first batch while Lightning counts on from the step it stopped at (samples run twice, others not
-        at all). Lightning prepares that loader through ``strategy.process_dataloader`` after the checkpoint's
-        loop state is restored and before the first batch is drawn: there the epoch's plan is put back and each
-        rank's batches already trained on are skipped. The strategy is left as it was at teardown."""
-        strategy = trainer.strategy
-        position, self._resume_position = self._resume_position, None
-        if position is None or getattr(strategy, "balancer", None) is not None:
-            return  # nothing to resume, or a balanced strategy (its loader checkpoints its own position)
-        original = strategy.process_dataloader
-        ref = weakref.ref(self)
-
-        def process_dataloader(dataloader: object) -> object:
-            dataloader = original(dataloader)
-            me = ref()
-            if me is not None and trainer.state.stage == RunningStage.TRAINING:
-                _unwrap_process_dataloader(strategy)  # the first train loader only
-                me._resume_epoch(dataloader, trainer, position)
-            return dataloader
-
-        process_dataloader._hetero_resume = True  # type: ignore[attr-defined]
-        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
-
-    def _resume_epoch(self, dl: object, trainer: pl.Trainer, position: dict[str, Any]) -> None:
-        """Skip this rank's batches of the checkpointed epoch that ran before the checkpoint (see above)."""
-        done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-        if position.get("epoch") != trainer.current_epoch or done <= 0 or not isinstance(dl, DataLoader):
-            return
-        try:
-            steps = len(dl)
-        except TypeError:
-            return  # no length (an IterableDataset): the loader keeps its own batches
-        limit = trainer.limit_train_batches
-        if limit is not None:
-            steps = min(steps, int(limit) if isinstance(limit, int) else int(steps * float(limit)))
-        if done >= steps:
-            return  # the epoch's training steps are all done
-        applied = bool(position.get("applied")) and self.ensure_planner(trainer, dl) is not None
-        found = loader_plan(dl, trainer.world_size)
-        ran = list(self.planner.plan) if applied else found[0] if found else None  # type: ignore[union-attr]
-        if ran is None or ran != list(position.get("plan") or []):
-            # resumed on another world size or batch: the saved epoch's order cannot be rebuilt
-            self._warn_once("resume-plan", (
-                "BatchBalancer: the mid-epoch checkpoint's epoch ran a plan this run cannot rebuild (another "
-                "world size or batch size); the epoch's remaining steps run the loader's own batches, so some "
-                "samples may run twice or not at all. HINT: resume a mid-epoch checkpoint with the same world "
-                "size and batch size, or from an end-of-epoch checkpoint."))
-            return
-        if self.loaders.resume(dl, trainer, done, applied):
-            self._resumed_at = (done, applied)
-
-    @staticmethod
-    def _untime_fetches(trainer: pl.Trainer) -> None:
-        profiler = trainer.profiler
-        if getattr(profiler, "_hetero_fetch_timer", None) is not None:
-            for name in ("start", "stop", "_hetero_fetch_timer"):
-                profiler.__dict__.pop(name, None)
 
     def _coordinate(self, trainer: pl.Trainer) -> PlanCoordinator:
         """The coordinator of this planner over this trainer's strategy (made again if either changed)."""
@@ -657,12 +578,6 @@ class BatchBalancer(Callback):
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=RuntimeWarning)
-
-
-def _unwrap_process_dataloader(strategy: Any) -> None:
-    """Take the resume wrapper of ``BatchBalancer._resume_train_loader`` off ``strategy`` (if it is there)."""
-    if getattr(strategy.__dict__.get("process_dataloader"), "_hetero_resume", False):
-        del strategy.__dict__["process_dataloader"]
 
 
 def _option(name: str) -> property:

@@ -30,9 +30,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from hetero_plugins.aggregation.options import AggregationOptions
 from hetero_plugins.balancing.options import BalancingOptions
-from hetero_plugins.callbacks._relocation import due_relocation, resume_disagreement
 from hetero_plugins.callbacks.batch_balancer import BatchBalancer
 from hetero_plugins.collectives import TorchCollectives, release_process_group_at_exit
+from hetero_plugins.scheduler.restart_spec import resume_disagreement
 from hetero_plugins.strategies._aggregation import AggregationMixin
 from hetero_plugins.strategies._balanced import BalancedStrategyMixin, check_strategy_keywords
 
@@ -125,7 +125,7 @@ class HeteroDDPStrategy(AggregationMixin, BalancedStrategyMixin, DDPStrategy):
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is None or not self.parallel_devices:
             return
-        spec = due_relocation(self.balancer.options, trainer)
+        spec = self.balancer.due_relocation(trainer)
         if spec is None:
             return
         slot = next((r for r in spec.get("ranks", []) if r.get("rank") == self.global_rank), None)

@@ -30,8 +30,8 @@ from hetero_plugins._files import write_atomic
 from hetero_plugins.cluster import check_host_name
 
 __all__ = ["RelocationDecision", "check_relocation_spec", "due_relocation_spec", "publish_relocation_spec",
-           "read_relocation_spec", "relocation_spec", "resume_checkpoint", "torchelastic_restarts",
-           "write_relocation_spec"]
+           "read_relocation_spec", "relocation_spec", "resume_checkpoint", "resume_disagreement",
+           "torchelastic_restarts", "write_relocation_spec"]
 
 
 class RelocationDecision(Protocol):
@@ -406,3 +406,19 @@ def _due_checkpoint(spec: dict[str, Any] | None, path: str | Path) -> tuple[str 
                             f"id {run!r}, which every run launched without --rdzv-id shares: the checkpoint may be "
                             "an earlier run's. HINT: launch torchrun with a unique --rdzv-id (e.g. the job id).")
     return checkpoint, None
+
+
+def resume_disagreement(resumed: list[bool], spec: str) -> str | None:
+    """Why ranks that resumed from a checkpoint (``resumed[r]``) cannot train beside ranks that start afresh, else
+    ``None`` when all agree. Ranks on a node whose folder lacks the restart spec (written by rank 0 on its own
+    node) start afresh after a relocation restart while the others resume: they would exchange gradients across
+    different epochs until one side finishes."""
+    if all(resumed) or not any(resumed):
+        return None
+    ahead = [r for r, x in enumerate(resumed) if x]
+    fresh = [r for r, x in enumerate(resumed) if not x]
+    return (f"rank(s) {ahead} resume from a checkpoint but rank(s) {fresh} start from scratch: they would train "
+            f"different epochs together. After a relocation restart every rank must find the restart spec {spec!r} "
+            "and the checkpoint beside it. HINT: put `restart_spec` on a file system every node shares (e.g. "
+            "HeteroDDPStrategy(restart_spec='/shared/run/hetero_restart.json')) and pass the same "
+            "Trainer.fit(..., ckpt_path=resume_checkpoint(that path)) on every rank.")

@@ -1,0 +1,68 @@
+"""The time the train loop spends fetching each batch, read from the profiler calls Lightning makes around it.
+
+A step's data time is what the planner charges a data-bound rank. Measured as the gap between one step's end
+and the next one's start, it also holds the wait for the other ranks in Lightning's per-batch collective (its
+SIGTERM broadcast): under gradient accumulation a fast rank waits there for the slow one at every micro-batch
+and would look data-bound. Lightning's training epoch loop wraps each fetch in the profiler action
+``[_TrainingEpochLoop].train_dataloader_next``; :class:`FetchTimer` wraps the trainer's profiler's ``start`` /
+``stop`` (whichever profiler it is) to time that action alone. A Lightning release without that action leaves
+:meth:`FetchTimer.take` at ``None``, and the caller keeps the gap.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+__all__ = ["FETCH_ACTION", "FetchTimer"]
+
+#: The end of the profiler action Lightning's training epoch loop wraps around each batch fetch.
+FETCH_ACTION = ".train_dataloader_next"
+
+
+class FetchTimer:
+    """Seconds spent fetching train batches since the last :meth:`take` (``None`` while no fetch was seen)."""
+
+    def __init__(self) -> None:
+        self._began: float | None = None
+        self._elapsed: float | None = None
+
+    def attach(self, trainer: Any) -> None:
+        """Wrap ``trainer.profiler`` (an earlier fit's wrapper is taken off first). Undo with :meth:`detach`."""
+        self.detach(trainer)
+        profiler = trainer.profiler
+        start, stop = profiler.start, profiler.stop
+        ref = weakref.ref(self)
+
+        def timed_start(action_name: str) -> None:
+            me = ref()
+            if me is not None and action_name.endswith(FETCH_ACTION):
+                me._began = time.perf_counter()
+            start(action_name)
+
+        def timed_stop(action_name: str) -> None:
+            stop(action_name)
+            me = ref()
+            if me is not None and action_name.endswith(FETCH_ACTION) and me._began is not None:
+                me._elapsed = (me._elapsed or 0.0) + time.perf_counter() - me._began
+                me._began = None
+
+        profiler.start, profiler.stop = timed_start, timed_stop
+        profiler._hetero_fetch_timer = (start, stop)
+
+    @staticmethod
+    def detach(trainer: Any) -> None:
+        """Give ``trainer.profiler`` its own ``start`` / ``stop`` back (nothing if it is not wrapped)."""
+        profiler = trainer.profiler
+        if getattr(profiler, "_hetero_fetch_timer", None) is not None:
+            for name in ("start", "stop", "_hetero_fetch_timer"):
+                profiler.__dict__.pop(name, None)
+
+    def take(self) -> float | None:
+        """The fetch seconds since the last call, and start counting afresh."""
+        out, self._elapsed = self._elapsed, None
+        return out
+
+    def reset(self) -> None:
+        self._began = self._elapsed = None
