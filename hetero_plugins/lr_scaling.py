@@ -393,7 +393,7 @@ class LRScaler:
             self._sigma2 = None if state.get("sigma2") is None else float(state["sigma2"])
             self._mu2 = None if state.get("mu2") is None else float(state["mu2"])
             self.last_step = None if state.get("last_step") is None else int(state["last_step"])
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:  # a field missing, or not a number
             raise ValueError(
                 f"`state` is not an LRScaler.state_dict(): {e!r}. HINT: pass the dict LRScaler.state_dict() returned."
             ) from None

@@ -230,6 +230,9 @@ def test_bad_calls():
         adascale_gain(0.0, 0.0, 2.0)
     with pytest.raises(ValueError, match=r"`state` is not an LRScaler.state_dict\(\).*HINT"):
         s.load_state_dict({"rule": "linear"})
+    bad = {**s.state_dict(), "start_factor": "fast"}  # a field that is not a number: named, not a bare float() error
+    with pytest.raises(ValueError, match=r"`state` is not an LRScaler.state_dict\(\).*could not convert.*HINT"):
+        s.load_state_dict(bad)
     with pytest.raises(ValueError, match=r"`gradient_stats` is only used by rule='adascale'"):
         LRAdapter(gradient_stats=lambda t, m: (1.0, 1.0))
     with pytest.raises(ValueError, match=r"`gradient_stats` must be a callable"):
