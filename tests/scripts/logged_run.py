@@ -34,7 +34,9 @@ def main() -> None:
         callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.001), LRAdapter()],
     )
     trainer.fit(DigitsCNN(batch_size=32))
-    print(json.dumps({"log_dir": os.path.join(out, "run", "version_0")}))
+    if trainer.is_global_zero:  # rank 1 shares this stdout: two prints could land on one line
+        sys.stdout.write(json.dumps({"log_dir": os.path.join(out, "run", "version_0")}) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
