@@ -10,6 +10,7 @@ through ``hvd.allreduce`` itself.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -478,17 +479,10 @@ class AggregatingOptimizer(torch.optim.Optimizer):
                 "optimizer.step()."
             )
         comm = self.aggregator.comm
-        try:
+        with self._naming_gradient_failures():
             if hasattr(comm, "wait_all"):
                 wait_for_gradients(self.optimizer, comm, GRADIENT_ALLREDUCE)
             self.optimizer.synchronize()
-        except CollectiveError:
-            raise
-        except RuntimeError as err:
-            failure = getattr(comm, "failure", None)
-            if failure is None or not is_transport_failure(err):
-                raise
-            raise failure(GRADIENT_ALLREDUCE, err) from err
 
     # ------------------------------------------------------------------ internals
     def _step_inner(self, closure: Any, explicit: bool) -> Any:
@@ -496,21 +490,30 @@ class AggregatingOptimizer(torch.optim.Optimizer):
         (parameters that got no gradient) and wait, bounded by the exchange's timeout, for all of them
         (:func:`~hetero_plugins.horovod.gradient_sync.wait_for_gradients`; ``hvd.DistributedOptimizer.step`` would
         wait without a bound), and name a failure of them."""
+        if explicit:
+            return self.optimizer.step(closure)
         comm = self.aggregator.comm
-        operation = GRADIENT_ALLREDUCE
-        try:
-            if not explicit and hasattr(comm, "wait_all"):
+        with self._naming_gradient_failures():
+            if hasattr(comm, "wait_all"):
                 # Horovod's step() synchronizes unless inside skip_synchronize() (the user synchronized already).
-                wait_for_gradients(self.optimizer, comm, operation,
+                wait_for_gradients(self.optimizer, comm, GRADIENT_ALLREDUCE,
                                    start_missing=bool(getattr(self.optimizer, "_should_synchronize", True)))
             return self.optimizer.step(closure)
+
+    @contextlib.contextmanager
+    def _naming_gradient_failures(self) -> Iterator[None]:
+        """``"weighted"``: a transport failure of Horovod's gradient all-reduce becomes the exchange's
+        :class:`~hetero_plugins.collectives.CollectiveError` naming it (other errors pass unchanged)."""
+        comm = self.aggregator.comm
+        try:
+            yield
         except CollectiveError:
             raise
         except RuntimeError as err:
             failure = getattr(comm, "failure", None)
-            if explicit or failure is None or not is_transport_failure(err):
+            if failure is None or not is_transport_failure(err):
                 raise
-            raise failure(operation, err) from err
+            raise failure(GRADIENT_ALLREDUCE, err) from err
 
     def _initialise_state(self) -> Any:
         """A step with no backward pass: create the optimizer's state from the gradients as they are."""
