@@ -6,20 +6,29 @@ so some samples would run twice and others not at all. Lightning prepares that l
 drawn: :func:`install_resume` wraps it once, and there :func:`resume_epoch` puts the checkpointed epoch's plan
 back and has each rank skip its batches already trained on. The strategy is left as it was after the first
 train loader, or at teardown (:func:`uninstall_resume`).
+
+Lightning then warns that the loader "is not resumable" (it checks for a ``state_dict`` on the loader itself):
+after an exact resume that warning is wrong, so :func:`resume_epoch` silences that one message until the
+resumed epoch's first batch (:func:`end_quiet`).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader
 
 from hetero_plugins.callbacks._loaders import loader_plan
 
-__all__ = ["install_resume", "resume_epoch", "uninstall_resume"]
+__all__ = ["NOT_RESUMABLE", "end_quiet", "install_resume", "resume_epoch", "uninstall_resume"]
+
+#: The start of Lightning's warning about a mid-epoch resume of a loader without ``state_dict``.
+NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def install_resume(balancer: Any, trainer: pl.Trainer, position: dict[str, Any] | None) -> None:
@@ -77,3 +86,15 @@ def resume_epoch(balancer: Any, dl: object, trainer: pl.Trainer, position: dict[
         return
     if balancer.loaders.resume(dl, trainer, done, applied):
         balancer._resumed_at = (done, applied)
+        end_quiet(balancer)
+        quiet = warnings.catch_warnings()
+        quiet.__enter__()
+        warnings.filterwarnings("ignore", message=NOT_RESUMABLE, category=PossibleUserWarning)
+        balancer._quiet_resume = quiet
+
+
+def end_quiet(balancer: Any) -> None:
+    """Lift the filter :func:`resume_epoch` set on Lightning's "not resumable" warning (nothing if none is set)."""
+    quiet = balancer.__dict__.pop("_quiet_resume", None)
+    if quiet is not None:
+        quiet.__exit__(None, None, None)

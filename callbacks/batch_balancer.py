@@ -53,9 +53,9 @@ from hetero_plugins.balancing.options import BalancingOptions, check_keywords, r
 from hetero_plugins.balancing.planner import BalancePlanner
 from hetero_plugins.balancing.sampler import HeteroBatchSampler
 from hetero_plugins.callbacks._collectives import StrategyCollectives
-from hetero_plugins.callbacks._fetch_timer import FetchTimer
+from hetero_plugins.callbacks._fetch_timer import MISSING as FETCH_MISSING, FetchTimer
 from hetero_plugins.callbacks._loaders import UNSIZED, BalancedLoaders, loader_plan
-from hetero_plugins.callbacks._midepoch_resume import install_resume, uninstall_resume
+from hetero_plugins.callbacks._midepoch_resume import end_quiet, install_resume, uninstall_resume
 from hetero_plugins.callbacks._relocation import (
     RelocationRestart,
     adopt_relocation,
@@ -390,6 +390,7 @@ class BatchBalancer(Callback):
         self._epoch = trainer.current_epoch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        end_quiet(self)  # Lightning's "not resumable" check of a resumed epoch is behind us
         counts = self.loaders.step_counts(trainer, batch_idx)
         if counts is not None:
             local, total = counts[trainer.global_rank], sum(counts)
@@ -453,6 +454,8 @@ class BatchBalancer(Callback):
         planner = self.ensure_planner(trainer)
         if planner is None:
             return
+        if self._fetches.missing():
+            self._warn_once("fetch", FETCH_MISSING)
         records = self._new_records()
         self.timer.pop_records()
         self._cursor = 0
@@ -495,6 +498,7 @@ class BatchBalancer(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         FetchTimer.detach(trainer)
         uninstall_resume(trainer.strategy)  # a resume wrapper no train loader reached
+        end_quiet(self)
         self._fetches.reset()
         self._step_fetch = None
 

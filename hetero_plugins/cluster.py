@@ -153,7 +153,28 @@ def parse_cluster(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str]
     workload = spec.get("workload", "training")
     if not isinstance(workload, str) or not workload:
         raise _bad("workload", workload, 'use the job\'s workload type, e.g. "training".')
-    return ClusterView(places, [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)], workload)
+    free = [_place(f"free_slots[{k}]", s) for k, s in enumerate(slots)]
+    _check_free_slots_distinct(places, free)
+    return ClusterView(places, free, workload)
+
+
+def _check_free_slots_distinct(places: Sequence[Mapping[str, Any]], free: Sequence[Mapping[str, Any]]) -> None:
+    """A free slot is an idle accelerator: one that a rank runs on, or that another free slot lists, is not.
+
+    Ranks may share an accelerator (co-located ranks); only places with both ``host`` and ``index`` are compared.
+    """
+    seen: dict[tuple[str, int], str] = {}
+    for r, p in enumerate(places):
+        if "host" in p and "index" in p:
+            seen.setdefault((p["host"], p["index"]), f"ranks[{r}]")
+    for k, s in enumerate(free):
+        if "host" not in s or "index" not in s:
+            continue
+        key = (s["host"], s["index"])
+        if key in seen:
+            raise _bad(f"free_slots[{k}]", dict(s), f"{seen[key]} already runs on host {key[0]!r} index {key[1]}, so "
+                       "that accelerator is not free; remove the slot or give the idle accelerator's index.")
+        seen[key] = f"free_slots[{k}]"
 
 
 def _assign_slots(spec: Mapping[str, Any], world_size: int, hosts: Sequence[str] | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
 
 from hetero_plugins.callbacks import BatchBalancer, HeterogeneityEmulator
-from tests.helpers.distributed import START_METHOD
+from tests.helpers.distributed import START_METHOD, rank_output
 from tests.lightning_jobs import DigitsMLP, Report, read_reports
 
 pytestmark = pytest.mark.distributed
@@ -93,7 +93,10 @@ def test_a_mid_epoch_resume_beside_stock_ddp_runs_each_remaining_sample_once_and
     assert whole[1]["plan_applied"] is True and whole[1]["batch_sizes"][0] < 16  # epoch 1 runs a real plan
     ckpt = next(str(p) for p in ckpts.iterdir() if f"step={ckpt_step}." in p.name)
     t2 = stock_ddp_trainer(second, [BatchBalancer(), HeterogeneityEmulator(emulate, cost_per_sample=0.002)])
-    t2.fit(IndexedRun(str(second)), ckpt_path=ckpt)
+    with rank_output() as out:
+        t2.fit(IndexedRun(str(second)), ckpt_path=ckpt)
+    # Lightning's "dataloader is not resumable" warning is wrong after this exact resume, and silenced.
+    assert "not resumable" not in out.text and "Restoring states from the checkpoint" in out.text, out.text[-2000:]
     a, b = read_seen(str(first)), read_seen(str(second))
     done = ckpt_step - 10 * epoch  # 10 steps per epoch
     for rank in a:  # the first run up to the checkpoint
@@ -171,3 +174,25 @@ def test_validation_beside_stock_ddp_keeps_equal_batches_and_its_exact_mean(tmp_
     right = (model(x).argmax(1) == y).double()
     padded = (right.sum() + right[0]) / 360  # Lightning's DistributedSampler pads 359 samples with the first one
     assert abs(t.callback_metrics["val_acc"].item() - padded.item()) < 1e-12
+
+
+@pytest.mark.parametrize("action, warned", [(None, False), (".no_such_action", True)])
+def test_a_lightning_without_the_fetch_action_is_told_once(tmp_path, monkeypatch, action, warned):
+    # Fetch timing reads the profiler action Lightning wraps around each batch fetch; a release that renamed it
+    # left each step's data time at the gap since the last step without a word. The installed Lightning must
+    # still name the action as expected (action None), and a renamed one is warned about once.
+    import warnings
+
+    from hetero_plugins.callbacks import _fetch_timer
+
+    if action is not None:
+        monkeypatch.setattr(_fetch_timer, "FETCH_ACTION", action)
+    pl.seed_everything(0)
+    t = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                   callbacks=[BatchBalancer()], default_root_dir=str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(IndexedRun(str(tmp_path)))
+    found = [w for w in caught if "no train-batch fetch" in str(w.message)]
+    assert len(found) == (1 if warned else 0), [str(w.message) for w in found]

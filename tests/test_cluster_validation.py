@@ -56,3 +56,21 @@ def test_a_valid_file_still_reads(tmp_path) -> None:
     path.write_text(json.dumps({"ranks": [{"device": "v100", "data": 0.5, "host": "n1", "index": 0}]}))
     view = read_cluster(path, epoch=0, world_size=1)
     assert view.places[0] == {"device": "v100", "corunner": None, "data": 0.5, "host": "n1", "index": 0}
+
+
+def test_a_free_slot_on_a_running_ranks_accelerator_is_refused() -> None:
+    spec = {"ranks": [{"device": "v100", "host": "n1", "index": 0}, {"device": "t4", "host": "n1", "index": 1}],
+            "free_slots": [{"device": "t4", "host": "n1", "index": 1}]}
+    with pytest.raises(ValueError, match=r"free_slots\[0\].*ranks\[1\] already runs on host 'n1' index 1"):
+        parse_cluster(spec, 2)
+    twice = dict(spec, free_slots=[{"device": "a100", "host": "n2", "index": 0}] * 2)
+    with pytest.raises(ValueError, match=r"free_slots\[1\].*free_slots\[0\]"):
+        parse_cluster(twice, 2)
+
+
+def test_co_located_ranks_and_distinct_slots_pass() -> None:
+    spec = {"ranks": [{"device": "v100", "host": "n1", "index": 0}, {"device": "v100", "host": "n1", "index": 0}],
+            "free_slots": [{"device": "v100", "host": "n1", "index": 1}, {"device": "v100", "host": "n2", "index": 0},
+                           {"device": "v100", "host": "n1"}]}
+    view = parse_cluster(spec, 2)
+    assert [s.get("index") for s in view.free_slots] == [1, 0, None]
