@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,8 +44,15 @@ def horovod_available() -> None:
     pytest.skip(f"Horovod not installed ({problem}); run `make horovod`")
 
 
-def run_job(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``horovodrun *args`` from the repo root; kill its process group after ``timeout`` seconds."""
+def run_job(args: list[str], timeout: float, env: dict[str, str] | None = None,
+            stop_after: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``horovodrun *args`` from the repo root; kill its process group after ``timeout`` seconds.
+
+    ``stop_after``: once a line of the output contains it, the job gets 2 more seconds to end by itself, then its
+    process group is killed (``returncode`` ``-9``). The freeze tests pass horovodrun's "Terminating remaining
+    workers": from there Horovod's teardown of a stopped (``SIGSTOP``) rank waits out two 5 s grace periods
+    before its ``SIGKILL``, 10 s a test of Horovod's own code.
+    """
     full_env = dict(os.environ)
     full_env["PATH"] = f"{BIN}{os.pathsep}{full_env.get('PATH', '')}"
     full_env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "60")
@@ -54,13 +63,51 @@ def run_job(args: list[str], timeout: float, env: dict[str, str] | None = None) 
         [str(BIN / "horovodrun"), *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if stop_after is not None and stop_after in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline and not seen.is_set():
+        time.sleep(0.1)
+    if seen.is_set():
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+    elif proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        proc.wait()
+        reader.join(timeout=10)
+        out = "".join(lines)
         pytest.fail(f"horovodrun {' '.join(args)} did not finish in {timeout}s; output tail:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    proc.wait()
+    reader.join(timeout=10)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it: horovodrun starts its workers in process groups of their own."""
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -84,3 +131,26 @@ def several_checks(out: Path, names: list[str], timeout: float) -> Path:
     res = run_job(args, timeout)
     assert res.returncode == 0, f"horovodrun {' '.join(args)} exited {res.returncode}:\n{res.stdout[-8000:]}"
     return out
+
+
+#: The plain-script checks (no Lightning) that share one ``horovodrun`` job, in this order (see :func:`plain_checks`).
+PLAIN_CHECKS = ["cluster_check", "hooks_check", "aggregation_check", "regressions_check"]
+
+
+@pytest.fixture(scope="session")
+def plain_checks(horovod_available: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``scripts/several_checks.py`` over :data:`PLAIN_CHECKS` in one ``horovodrun -np 2`` job (one start-up for
+    four scripts); each wrote into ``<returned>/<name>/``. The regressions check's phases record themselves even
+    when one crashes, so the job's exit status is not asserted here: each test reads what its check wrote and
+    fails with the job's output tail when it is missing."""
+    out = tmp_path_factory.mktemp("plain")
+    args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "several_checks.py"), str(out),
+            *PLAIN_CHECKS]
+    res = run_job(args, timeout=400)
+    (out / "job.txt").write_text(f"horovodrun exited {res.returncode}:\n{res.stdout[-8000:]}")
+    return out
+
+
+def job_output(out: Path) -> str:
+    """The exit status and output tail of the :func:`plain_checks` job, for a failing assertion's message."""
+    return (out / "job.txt").read_text()

@@ -1,6 +1,6 @@
 """``aggregation=`` modes of ``hetero_plugins.horovod.DistributedOptimizer`` under a real ``horovodrun -np 2 --gloo``.
 
-One job runs every phase of ``scripts/aggregation_check.py`` (a float64 MLP on 96 digits samples, rank 1
+One job (the session's ``plain_checks``) runs every phase of ``scripts/aggregation_check.py`` (a float64 MLP on 96 digits samples, rank 1
 slowed by a sleep per micro-batch sample); the script itself asserts, on every rank and after every step,
 that each sample is processed exactly once per epoch and that the parameters equal the single-process
 reference of the mode; the tests below check the summary it writes.
@@ -9,22 +9,20 @@ reference of the mode; the tests below check the summary it writes.
 from __future__ import annotations
 
 import json
-import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.horovod.conftest import SCRIPTS, run_job
+from tests.horovod.conftest import job_output
 
 pytestmark = pytest.mark.horovod
 
 
 @pytest.fixture(scope="module")
-def results(horovod_available: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("aggregation") / "aggregation.json"
-    args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "aggregation_check.py"), str(out)]
-    res = run_job(args, timeout=150)
-    assert res.returncode == 0, f"horovodrun {' '.join(args)} exited {res.returncode}:\n{res.stdout[-8000:]}"
+def results(plain_checks: Path) -> dict[str, Any]:
+    out = plain_checks / "aggregation_check" / "aggregation.json"
+    assert out.exists(), job_output(plain_checks)
     return json.loads(out.read_text())
 
 

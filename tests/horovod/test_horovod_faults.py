@@ -26,6 +26,8 @@ from tests.horovod.conftest import SCRIPTS, run_job
 pytestmark = pytest.mark.horovod
 
 TIMEOUT = 6  # HETERO_PLUGINS_TIMEOUT and HOROVOD_GLOO_TIMEOUT_SECONDS in the freeze jobs
+#: horovodrun's line once a rank has exited with an error: the job is ending (see ``run_job``'s ``stop_after``).
+TEARDOWN = "Terminating remaining workers after failure of Process"
 
 
 def test_ranks_that_disagree_on_the_sampler_all_raise_naming_the_rank_and_the_argument(horovod_available, tmp_path):
@@ -51,13 +53,13 @@ def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available,
     where the strategy's own collectives (the balancer's gather and broadcast) wait for it."""
     env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
     res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
-                   str(tmp_path), f"freeze:{mode}"], timeout=TIMEOUT + 100, env=env)
+                   str(tmp_path), f"freeze:{mode}"], timeout=TIMEOUT + 100, env=env, stop_after=TEARDOWN)
     ended = time.time()
     frozen = tmp_path / "frozen"
     assert frozen.exists(), res.stdout[-4000:]
     after = ended - float(frozen.read_text())
     print(f"\n{mode}: the job ended {after:.1f} s after rank 0 froze (timeout {TIMEOUT} s)")
-    assert res.returncode != 0
+    assert res.returncode != 0 and TEARDOWN in res.stdout, res.stdout[-4000:]
     assert after < TIMEOUT + 60
     recorded = tmp_path / "error_rank1.txt"  # written whole by the Lightning job; horovodrun may split stdout lines
     message = recorded.read_text() if recorded.exists() else None
@@ -78,7 +80,7 @@ def test_a_stalled_rank_with_an_unused_parameter_ends_within_the_timeout(horovod
     rank 1."""
     env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
     res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
-                   str(tmp_path), f"stall:{kind}"], timeout=90, env=env)
+                   str(tmp_path), f"stall:{kind}"], timeout=90, env=env, stop_after=TEARDOWN)
     ended = time.time()
     frozen = tmp_path / "frozen"
     assert frozen.exists(), res.stdout[-4000:]
@@ -101,7 +103,7 @@ def test_among_three_ranks_with_no_store_the_survivors_name_the_frozen_one(horov
     timeout = 6
     env = {"HETERO_PLUGINS_TIMEOUT": str(timeout), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
     res = run_job(["-np", "3", "-H", "localhost:3", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
-                   str(tmp_path), "freeze:weighted:1:sleep"], timeout=timeout + 100, env=env)
+                   str(tmp_path), "freeze:weighted:1:sleep"], timeout=timeout + 100, env=env, stop_after=TEARDOWN)
     ended = time.time()
     frozen = tmp_path / "frozen"
     assert frozen.exists(), res.stdout[-4000:]

@@ -1,21 +1,21 @@
-"""``hetero_plugins.horovod`` hooks in plain scripts under real ``horovodrun -np 2 --gloo`` jobs
-(``HeteroHorovodStrategy``: ``test_horovod_lightning.py``)."""
+"""``hetero_plugins.horovod`` hooks in plain scripts under a real ``horovodrun -np 2 --gloo`` job (the session's
+``plain_checks`` job, shared with the aggregation and regressions checks; ``HeteroHorovodStrategy``:
+``test_horovod_lightning.py``)."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests.horovod.conftest import SCRIPTS
+from tests.horovod.conftest import job_output
 
 pytestmark = pytest.mark.horovod
 
 
-def test_hooks_exact_balanced_every_sample_once(horovodrun, tmp_path):
-    out = tmp_path / "hooks.json"
-    horovodrun(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "hooks_check.py"), str(out)])
+def test_hooks_exact_balanced_every_sample_once(plain_checks):
+    out = plain_checks / "hooks_check" / "hooks.json"
+    assert out.exists(), job_output(plain_checks)
     res = json.loads(out.read_text())  # every rank asserted exactness, coverage and identical plans
     assert res["ok"]
     assert res["epochs"][0]["plan"] == [3, 5]
@@ -37,9 +37,9 @@ def test_hooks_exact_balanced_every_sample_once(horovodrun, tmp_path):
     assert all(h["gpu_util"] == [None, None] for h in res["plan_history"])
 
 
-def test_plain_script_cluster_context_and_relocation_spec(horovodrun, tmp_path):
-    horovodrun(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "cluster_check.py"),
-                str(tmp_path)], timeout=150)
+def test_plain_script_cluster_context_and_relocation_spec(plain_checks):
+    tmp_path = plain_checks / "cluster_check"
+    assert (tmp_path / "rank1.json").exists(), job_output(plain_checks)
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     hist = res[0]["plan_history"]
     assert hist == res[1]["plan_history"]  # every rank adopted rank 0's decision and its record

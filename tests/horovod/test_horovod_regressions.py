@@ -1,6 +1,6 @@
 """Regressions of ``hetero_plugins.horovod`` found in review, under one real ``horovodrun -np 2 --gloo`` job
-(``scripts/regressions_check.py``, one phase each; every rank records what it saw), plus the launch commands
-the docs give. Each test failed before its fix:
+(``scripts/regressions_check.py`` in the session's ``plain_checks`` job, one phase each; every rank records what
+it saw), plus the launch commands the docs give. Each test failed before its fix:
 
 - ``torch.autograd.grad`` over the parameters (a gradient penalty) went through the weighting's tensor hooks:
   its gradients came back scaled by b_i / B and every call counted as a step, so later steps got wrong weights.
@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import json
 import re
-import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.horovod.conftest import REPO, SCRIPTS, run_job
+from tests.horovod.conftest import REPO, job_output
 
 pytestmark = pytest.mark.horovod
 
 
 @pytest.fixture(scope="module")
-def job(horovod_available: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], str]:
-    out = tmp_path_factory.mktemp("regressions")
-    args = ["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "regressions_check.py"), str(out)]
-    res = run_job(args, timeout=170)
+def job(plain_checks: Path) -> tuple[list[dict[str, Any]], str]:
+    out = plain_checks / "regressions_check"
     ranks = [json.loads(f.read_text()) if f.exists() else {} for f in (out / "rank0.json", out / "rank1.json")]
-    return ranks, f"horovodrun exited {res.returncode}:\n{res.stdout[-6000:]}"
+    return ranks, job_output(plain_checks)
 
 
 def phase(job: tuple[list[dict[str, Any]], str], name: str) -> list[dict[str, Any]]:

@@ -20,6 +20,11 @@ CALLS: dict[str, Callable[..., None]] = {
     "lightning_check": lambda main, d: main(os.path.join(d, "lightning.json"), d),
     "lightning_aggregation_check": lambda main, d: main(os.path.join(d, "aggregation.json")),
     "lightning_cluster_check": lambda main, d: main(d),
+    "cluster_check": lambda main, d: main(d),
+    "hooks_check": lambda main, d: main(os.path.join(d, "hooks.json")),
+    "aggregation_check": lambda main, d: main(os.path.join(d, "aggregation.json"), []),
+    # Every phase; the last shuts Horovod down, so this check goes last.
+    "regressions_check": lambda main, d: main(d, list(main.__globals__["PHASES"])),
 }
 
 if __name__ == "__main__":
