@@ -33,202 +33,18 @@ from typing import Any
 import numpy as np
 
 from hetero_plugins._validation import check_bool, check_float, check_int
-from hetero_plugins.balancing.allocators import (Allocator, fitted_models, knee_arrays, min_makespan_split,
-                                                 register_allocator)
-from hetero_plugins.balancing.lines import curve_times, data_seconds
+from hetero_plugins.balancing.allocators import Allocator, fitted_models, register_allocator
+from hetero_plugins.balancing.lines import data_seconds
 from hetero_plugins.balancing.time_model import TimeModelParams
-from hetero_plugins.scheduler.hedge import corunner_groups, hedged_factors, throughput_shares
+from hetero_plugins.scheduler.hedge import corunner_groups
 from hetero_plugins.scheduler.interference import interference_correction
 from hetero_plugins.scheduler.removed_options import refuse_removed
+from hetero_plugins.scheduler.dqn_allocator import DQNAllocator, line_arrays
 from hetero_plugins.scheduler.safety import GuardedRelocator
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AutoAllocator", "DQNAllocator", "GuardedRelocator"]
-
-def _arrays(models: Sequence[TimeModelParams]) -> tuple[np.ndarray, np.ndarray]:
-    n = len(models)
-    a = getattr(models, "intercept", None)
-    s = getattr(models, "slope", None)
-    if isinstance(a, np.ndarray) and isinstance(s, np.ndarray):  # TimeModelLines: read the arrays
-        return a.astype(np.float64), s.astype(np.float64)
-    return (np.fromiter((m.intercept for m in models), dtype=np.float64, count=n),
-            np.fromiter((m.slope for m in models), dtype=np.float64, count=n))
-
-
-class DQNAllocator(Allocator):
-    """Stage 1 as rebuilt: the exact split on the fitted lines, corrected by the NCF for announced co-runners.
-
-    The batch split is always :func:`~hetero_plugins.balancing.allocators.min_makespan_split` with the
-    per-rank bounds (what ``equal_finish`` computes), on each rank's fitted line; a rank whose co-runner
-    changes at this epoch boundary (:meth:`set_context`) has its line scaled by the NCF's predicted slowdown
-    ratio first (:class:`~hetero_plugins.scheduler.interference.InterferenceCorrection`), always, without any
-    check. The learned part of stage 1 is the placement (which rank runs where, when to move): the placement
-    Q-network (``hetero_plugins.scheduler.placement_policy.LearnedRelocator``) is given as the relocation of a
-    run, beside this allocator (``simulate(sc, "dqn", relocation=LearnedRelocator(...))``). Without co-runner
-    context the plan is ``equal_finish``'s.
-
-    Args:
-        interference: stage 2 (IAWP): ``True`` corrects with the shipped NCF, ``False`` turns the correction
-            off (then this is ``equal_finish``); an ``InterferencePredictor``, an ``InterferenceCorrection`` or
-            an NCF model file uses that predictor. It acts only when :meth:`set_context` names co-runners (the
-            simulator does; Lightning runs do with ``cluster=``).
-        unseen_device: what a device type the NCF was not trained on gets: ``"mean"`` (default) the mean of
-            the NCF's predictions over the device types it knows (the co-runner's typical slowdown; needs a
-            predictor with a ``devices`` vocabulary), ``"skip"`` no correction for that rank. A given
-            ``InterferenceCorrection`` keeps its own.
-        hedge: the NCF ratio's log error, per unit of ``|log ratio|``: a corrected rank is planned at the quantile
-            of its time that minimises the expected makespan (:mod:`hetero_plugins.scheduler.hedge`; a small rank
-            slower than the point ratio). ``0``: the point ratio. Default chosen on validation (docs/scheduler.md).
-
-    The options of the former chunk-assignment network (``model``, ``chunks_per_rank``, ``parallel``,
-    ``online*``, ``seed``) are refused with a ``ValueError`` that says why.
-
-    Example::
-
-        >>> from hetero_plugins.balancing.allocators import Bounds
-        >>> from hetero_plugins.balancing.time_model import TimeModelParams as P
-        >>> DQNAllocator().allocate([P(0.0, 0.001), P(0.0, 0.003)], 400, Bounds.uniform(2))
-        [300, 100]
-    """
-
-    name = "dqn"
-    reads_knees = True
-
-    def __init__(self, interference: Any = True, unseen_device: str = "mean", hedge: float = 0.25,
-                 **removed: Any) -> None:
-        refuse_removed(type(self).__name__, removed)
-        if unseen_device not in ("mean", "skip"):
-            raise ValueError(f"`unseen_device`={unseen_device!r} is not an option. HINT: use 'mean' or 'skip'.")
-        self.unseen_device = unseen_device
-        self.correction = interference_correction(interference, unseen_device)
-        self._corunner_ctx: tuple[str, list[str], list[str | None], list[str | None]] | None = None
-        self._factors: np.ndarray | None = None
-        self.hedge = check_float("hedge", hedge, minimum=0.0, hint="e.g. 0.25 (the NCF's log error per unit of log "
-                                 "ratio), or 0 to plan on the point correction")
-        self.changed_ranks: list[int] = []  #: ranks whose co-runner changes in the last decision's context
-
-    def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None,
-                    devices: Sequence[str] | None = None, corunners: Sequence[str | None] | None = None,
-                    next_corunners: Sequence[str | None] | None = None, workload: str | None = None) -> None:
-        """What is observable at this epoch boundary, for the next decision (every argument optional).
-
-        Args:
-            utilisation: per-rank share of the device used by other processes in the last epoch (accepted for
-                the common context of the integrations; the split does not use it).
-            data: per-rank seconds per step outside the measured compute window (accepted, not used: the split
-                is ``equal_finish``'s objective on the compute lines).
-            devices: each rank's device type (the NCF's item, with the co-runner).
-            corunners: the co-runner beside each rank during the last epoch (``None``: dedicated).
-            next_corunners: the co-runner beside each rank in the next epoch.
-            workload: this job's workload type (the NCF's user; default ``"training"``).
-
-        Co-runners apply to the next :meth:`allocate` call only: a later call without a new context treats
-        the change as measured already.
-        """
-        given = [x is not None for x in (devices, corunners, next_corunners)]
-        if any(given) and not all(given):
-            raise ValueError("`devices`, `corunners` and `next_corunners` go together, got "
-                             f"devices={devices!r}, corunners={corunners!r}, next_corunners={next_corunners!r}. "
-                             "HINT: pass all three (one entry per rank) or none.")
-        if all(given):
-            lengths = {len(devices), len(corunners), len(next_corunners)}  # type: ignore[arg-type]
-            if len(lengths) != 1:
-                raise ValueError(f"`devices`, `corunners`, `next_corunners` have lengths {sorted(lengths)}. "
-                                 "HINT: give one entry per rank in each.")
-            self._corunner_ctx = (workload or "training", list(devices), list(corunners),  # type: ignore[arg-type]
-                                  list(next_corunners))  # type: ignore[arg-type]
-        else:
-            self._corunner_ctx = None
-
-    def take_context(self, n: int) -> tuple[str, list[str], list[str | None], list[str | None]] | None:
-        """The co-runner context for a decision over ``n`` ranks (consumed: ``None`` afterwards)."""
-        ctx, self._corunner_ctx = self._corunner_ctx, None
-        ctx = ctx if ctx is not None and len(ctx[1]) == n else None
-        self.changed_ranks = [] if ctx is None else [i for i in range(n) if ctx[2][i] != ctx[3][i]]
-        return ctx
-
-    def slowdown(self, workload: str, device: str, corunner: str | None) -> float | None:
-        """The NCF's slowdown of ``workload`` on ``device`` beside ``corunner`` (1 without one; a device type it
-        does not know is handled by the correction's ``unseen_device``); ``None``: unknown."""
-        return None if self.correction is None else self.correction.slowdown(workload, device, corunner)
-
-    def ncf_ratios(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None,
-                   n: int) -> list[float | None]:
-        """Per rank, the NCF's slowdown ratio ``NCF(next) / NCF(measured)`` for ``ctx`` (``None`` where nothing
-        changes, a name is unknown, or there is no correction or context)."""
-        out: list[float | None] = [None] * n
-        if self.correction is None or ctx is None:
-            return out
-        workload, devices, old, new = ctx
-        for i in range(n):
-            if old[i] != new[i]:
-                s0, s1 = (self.slowdown(workload, devices[i], c) for c in (old[i], new[i]))
-                out[i] = s1 / s0 if s0 is not None and s1 is not None and s0 > 0 else None
-        return out
-
-    def ncf_factors(self, ctx: tuple[str, list[str], list[str | None], list[str | None]] | None, n: int,
-                    ratios: Sequence[float | None] | None = None) -> np.ndarray:
-        """Per-rank NCF multipliers of the fitted lines: ``ratios`` (default :meth:`ncf_ratios`), 1 where none."""
-        ratios = self.ncf_ratios(ctx, n) if ratios is None else ratios
-        if self.correction is not None:
-            self.correction.corrections += sum(r is not None for r in ratios)
-        return np.array([1.0 if r is None else r for r in ratios], dtype=np.float64)
-
-    def lines(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied: a co-runner
-        slows the compute, so the seconds of each intercept that are the wait for data are not scaled)."""
-        a, beta = _arrays(models)
-        f = self._factors
-        if f is not None and len(f) == world_size:
-            d = data_seconds(models, world_size)
-            a, beta = (a - d) * f + d, beta * f
-        return a, beta
-
-    def knees(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """``models``' knees and the slopes past them (the planner's ``extrapolate="proportional"``) as the last
-        decision's corrections scale them; ``(None, None)`` without knees."""
-        knee, beyond = knee_arrays(models)
-        f = self._factors
-        if beyond is not None and f is not None and len(f) == world_size:
-            beyond = beyond * f
-        return knee, beyond
-
-    def predict_makespan(self, models: Sequence[TimeModelParams], plan: Sequence[int]) -> float:
-        """The planner's damping gate: predicted compute time of ``plan``'s slowest rank on the lines of the
-        last decision (so a plan decided on a known co-runner change is not vetoed by the stale lines)."""
-        n = len(plan)
-        a, beta = self.lines(models, n)
-        return float(np.max(curve_times(a, beta, np.asarray(plan, dtype=np.float64), *self.knees(models, n))))
-
-    def split(self, models: Sequence[TimeModelParams], global_batch: int, bounds: Any, factors: np.ndarray | None,
-              groups: Sequence[Any] | None = None) -> list[int]:
-        """The exact split of ``global_batch`` on ``models`` scaled by ``factors`` (remembered for the gate); with
-        ``hedge`` > 0 the factors are first moved to their hedged quantiles at the shares of this split
-        (:func:`~hetero_plugins.scheduler.hedge.hedged_factors`; ``groups``: per rank, a key of ranks that err
-        together), and the split is made again on them."""
-        n = bounds.world_size
-        self._factors = None if factors is None or np.all(factors == 1.0) else np.asarray(factors, dtype=np.float64)
-        for hedged in (False, True):
-            a, beta = self.lines(models, n)
-            knees = self.knees(models, n)
-            plan = min_makespan_split(a, beta, global_batch, bounds.min_batch, bounds.max_batch, *knees)
-            if hedged or self.hedge == 0 or self._factors is None:
-                break
-            shares = throughput_shares(plan, curve_times(a, beta, plan.astype(np.float64), *knees))
-            self._factors = hedged_factors(self._factors, shares, groups, self.hedge)
-        return plan.tolist()
-
-    def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
-        bounds.check_feasible(global_batch)
-        n = bounds.world_size
-        ctx = self.take_context(n)
-        fitted = fitted_models(models)
-        if fitted is None:
-            self._factors = None
-            return self._keep_or_equal(global_batch, bounds, current)
-        return self.split(models, global_batch, bounds, self.ncf_factors(ctx, n), corunner_groups(ctx))
-
 
 class AutoAllocator(Allocator):
     """The safe scheduler: the exact split on lines corrected for announced co-runner changes, and relocations kept
@@ -271,8 +87,8 @@ class AutoAllocator(Allocator):
     not scored). :meth:`guard` wraps a relocator so that its moves are kept only under the relocation checks.
 
     Args:
-        interference, unseen_device, hedge: the NCF and its hedge, as for :class:`DQNAllocator` (``interference=False``:
-            always ``equal_finish``).
+        interference, unseen_device, hedge, peer_lines: the NCF, its hedge and the device-peer check of flat
+            lines, as for :class:`DQNAllocator` (``interference=False``: always ``equal_finish``, its lines checked).
         agreement: relative disagreement tolerated between the NCF's ratio and a measured (or ``reference``)
             ratio, in (0, 1].
         max_ncf_error: the NCF's largest tolerated median relative error on this run's measured changes, > 0
@@ -308,9 +124,11 @@ class AutoAllocator(Allocator):
     def __init__(self, interference: Any = True, agreement: float = 0.15, max_ncf_error: float = 0.15,
                  min_record: int = 2, max_noise: float = 0.08, trust_unverified: bool = True, partial: bool = True,
                  reference: Any = None, unseen_device: str = "mean", measured_ratios: bool = False,
-                 gate_split: bool = False, contradicted: int = 4, hedge: float = 0.25, **removed: Any) -> None:
+                 gate_split: bool = False, contradicted: int = 4, hedge: float = 0.25, peer_lines: bool = True,
+                 **removed: Any) -> None:
         refuse_removed(type(self).__name__, removed)
-        self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device, hedge=hedge)
+        self.dqn = DQNAllocator(interference=interference, unseen_device=unseen_device, hedge=hedge,
+                                peer_lines=peer_lines)
         self.agreement = check_float("agreement", agreement, minimum=0.0,
                                      hint="a relative tolerance such as 0.15")
         if not 0.0 < self.agreement <= 1.0:
@@ -417,7 +235,7 @@ class AutoAllocator(Allocator):
         if prev is None or prev["n"] != n:
             return
         plan = np.asarray(current if current is not None and len(current) == n else prev["plan"], dtype=np.float64)
-        a, s = _arrays(models)
+        a, s = line_arrays(models)
         t_obs = a + s * plan
         t_raw = prev["a"] + prev["s"] * plan
         ok = (t_obs > 0) & (t_raw > 0)
@@ -539,6 +357,7 @@ class AutoAllocator(Allocator):
     def allocate(self, models, global_batch, bounds, current=None):  # type: ignore[no-untyped-def]
         bounds.check_feasible(global_batch)
         n = bounds.world_size
+        self.dqn.at_plan(current)
         ctx = self.dqn.take_context(n)
         fitted = fitted_models(models)
         if fitted is None:
@@ -561,7 +380,7 @@ class AutoAllocator(Allocator):
             if reason:
                 log.info("auto allocator: equal_finish (%s)", reason)
         plan = self.dqn.split(models, global_batch, bounds, use, corunner_groups(ctx))
-        a, s = _arrays(models)
+        a, s = line_arrays(models)
         lines = {"a": a.copy(), "s": s.copy(), "d": data_seconds(models, n), "plan": list(plan)}
         if after_move is not None and self._prev is not None and self._prev["n"] == n:
             # The re-plan after a relocation: the boundary's co-runner changes stay; movers are scored separately.
