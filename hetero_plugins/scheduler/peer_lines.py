@@ -65,16 +65,25 @@ def peer_fixed_costs(intercept: np.ndarray, slope: np.ndarray, data: np.ndarray,
     top = np.asarray(measured_max, dtype=np.float64)
     top = np.where(np.isfinite(top), top, c)
     out_a, out_s, moved = a.copy(), s.copy(), []
-    for r in np.flatnonzero(ok & (kappa > np.maximum(top, c))):
-        steep = [p for p in range(n) if p != r and ok[p] and devices[p] == devices[r]
-                 and c[p] <= reach * c[r] and kappa[p] < c[p]]
-        if not steep:
+    flat = np.flatnonzero(ok & (kappa > np.maximum(top, c)))
+    if len(flat) == 0:
+        return out_a, out_s, moved
+    dev = np.asarray(devices, dtype=object)
+    steep = ok & (kappa < c)  # a flat rank is never steep: it is never its own peer
+    for kind in dict.fromkeys(dev[flat]):
+        peers = np.flatnonzero(steep & (dev == kind))
+        if len(peers) == 0:
             continue
-        kp = float(np.median(kappa[steep]))
-        if kappa[r] <= ratio * max(kp, 1.0):
-            continue
-        t = compute[r] + s[r] * c[r]
-        out_s[r] = t / (kp + c[r])
-        out_a[r] = kp * out_s[r] + d[r]
-        moved.append(int(r))
-    return out_a, out_s, moved
+        peers = peers[np.argsort(c[peers], kind="stable")]  # by batch: the peers within reach are a prefix
+        for r in flat[dev[flat] == kind]:
+            m = int(np.searchsorted(c[peers], reach * c[r], side="right"))
+            if m == 0:
+                continue
+            kp = float(np.median(kappa[peers[:m]]))
+            if kappa[r] <= ratio * max(kp, 1.0):
+                continue
+            t = compute[r] + s[r] * c[r]
+            out_s[r] = t / (kp + c[r])
+            out_a[r] = kp * out_s[r] + d[r]
+            moved.append(int(r))
+    return out_a, out_s, sorted(moved)
