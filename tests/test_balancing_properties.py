@@ -146,14 +146,20 @@ def _close(x, y):
 # ----------------------------------------------------------------------------------------------- allocators
 
 
+def _tiny_case(rng, min_ranks: int):
+    """``min_ranks``-3 ranks with random lines, bounds of width 0-7 and a global batch they admit: small enough
+    to enumerate every split."""
+    n = int(rng.integers(min_ranks, 4))
+    a, s = _random_lines(rng, n)
+    lo = rng.integers(1, 3, n)
+    hi = lo + rng.integers(0, 8, n)
+    return n, a, s, lo, hi, int(rng.integers(lo.sum(), hi.sum() + 1))
+
+
 def test_min_makespan_exhaustive_tiny():
     rng = np.random.default_rng(1)
     for _ in range(600):
-        n = int(rng.integers(1, 4))
-        a, s = _random_lines(rng, n)
-        lo = rng.integers(1, 3, n)
-        hi = lo + rng.integers(0, 8, n)
-        B = int(rng.integers(lo.sum(), hi.sum() + 1))
+        n, a, s, lo, hi, B = _tiny_case(rng, 1)
         plan = min_makespan_split(a, s, B, lo, hi)
         _check_plan(plan, B, lo, hi)
         mk, (sp, sp_mk) = _ref_exhaustive(a, s, B, lo, hi)
@@ -221,11 +227,7 @@ def test_allocators_sum_bounds_and_optimality():
 def test_lbb_min_spread_exhaustive_tiny():
     rng = np.random.default_rng(5)
     for _ in range(300):
-        n = int(rng.integers(2, 4))
-        a, s = _random_lines(rng, n)
-        lo = rng.integers(1, 3, n)
-        hi = lo + rng.integers(0, 8, n)
-        B = int(rng.integers(lo.sum(), hi.sum() + 1))
+        n, a, s, lo, hi, B = _tiny_case(rng, 2)
         bounds = Bounds(tuple(int(x) for x in lo), tuple(int(x) for x in hi))
         plan = get_allocator("lbb").allocate([TimeModelParams(float(x), float(y)) for x, y in zip(a, s)], B, bounds)
         _check_plan(plan, B, lo, hi)

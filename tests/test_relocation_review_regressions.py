@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from tests.helpers.distributed import run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -27,20 +28,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "relocation_review_j
 
 def _run(cmd: list[str], tmp_path, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONWARNINGS="ignore")
-    p = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        import psutil
-
-        for proc in psutil.process_iter(["cmdline"]):  # torchrun's workers run in sessions of their own
-            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
-                proc.kill()
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"the job did not finish in {timeout} s:\n{out[-3000:]}{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    return run_torchrun(cmd, tmp_path, env, timeout)
 
 
 def _other_jobs_spec() -> dict:

@@ -4,37 +4,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.distributed import run_torchrun
+
 pytestmark = pytest.mark.distributed
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torchrun_relocation.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "relocation_review_job.py")
 
 
 def _torchrun(tmp_path, share_store: bool) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", SCRIPT, "--out", str(tmp_path)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0" if share_store else "1")
-    p = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: kill every process of this job by its --out.
-        import psutil
-
-        for proc in psutil.process_iter(["cmdline"]):
-            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
-                proc.kill()
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"torchrun did not finish in 240 s:\n{out[-3000:]}{err[-3000:]}")
-    assert p.returncode == 0, out[-3000:] + err[-3000:]
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    p = run_torchrun(cmd, tmp_path, env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
 
 
 def test_torchrun_restart_applies_a_relocation_and_resumes(tmp_path):
@@ -44,9 +32,13 @@ def test_torchrun_restart_applies_a_relocation_and_resumes(tmp_path):
     assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}] and spec["restart_count"] == 0 and spec["epoch"] == 1
     assert spec["ranks"][1]["device"] == "v100" and spec["ranks"][1]["from"] == "free_slots[0]"
     assert os.path.isfile(spec["checkpoint"])
-    runs = [json.loads((tmp_path / f"attempt_rank{r}.json").read_text()) for r in (0, 1)]
+    # Each rank of each attempt that ends its fit writes attempt{TORCHELASTIC_RESTART_COUNT}_rank{r}.json: the
+    # stopped attempt 0 wrote none, the restarted attempt 1 was the last.
+    written = sorted(p.name for p in tmp_path.glob("attempt*_rank*.json"))
+    assert written == ["attempt1_rank0.json", "attempt1_rank1.json"], written
+    runs = [json.loads((tmp_path / f"attempt1_rank{r}.json").read_text()) for r in (0, 1)]
     for run in runs:
-        assert run["restart_count"] == "1" and run["resumed"] == spec["checkpoint"]
+        assert run["resumed"] == spec["checkpoint"]
         assert run["epochs"] == [1, 2] and run["final_epoch"] == 3  # resumed after epoch 0, not repeated
     hist = runs[0]["plan_history"]
     assert hist == runs[1]["plan_history"] and [h["epoch"] for h in hist] == [0, 1, 2]
@@ -65,7 +57,9 @@ def test_no_restart_while_torchrun_shares_its_store(tmp_path):
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr and "RelocationRestart" not in proc.stderr
     spec = json.loads((tmp_path / "hetero_restart.json").read_text())
     assert spec["moves"] == [{"rank": 1, "to_free_slot": 0}] and "checkpoint" not in spec
-    runs = [json.loads((tmp_path / f"attempt_rank{r}.json").read_text()) for r in (0, 1)]
-    assert all(r["restart_count"] == "0" and r["resumed"] is None and r["epochs"] == [0, 1, 2] for r in runs)
+    written = sorted(p.name for p in tmp_path.glob("attempt*_rank*.json"))
+    assert written == ["attempt0_rank0.json", "attempt0_rank1.json"], written
+    runs = [json.loads((tmp_path / f"attempt0_rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["resumed"] is None and r["epochs"] == [0, 1, 2] for r in runs)
     # Rank 1 stayed on its slow slot: it keeps the smaller share.
     assert all(h["batch_sizes"][1] <= 12 for h in runs[0]["plan_history"][1:])

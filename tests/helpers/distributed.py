@@ -19,6 +19,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import subprocess
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -125,3 +127,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
                 if p.is_alive():
                     p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def run_torchrun(cmd: list[str], tmp_path: Any, env: dict[str, str],
+                 timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """Run a torchrun (or Lightning) launch ``cmd`` from ``tmp_path`` in a session of its own and return it
+    finished. On timeout every process whose command line names ``tmp_path`` (the job's ``--out``) is killed,
+    since torchrun starts each worker in a session of its own, and the test fails with the output's tail."""
+    p = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import psutil
+        import pytest
+
+        for proc in psutil.process_iter(["cmdline"]):
+            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the job did not finish in {timeout} s:\n{out[-3000:]}{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -1,4 +1,5 @@
-"""A 2-rank CPU job for tests/test_relocation_review_regressions.py (run under torchrun, or plainly).
+"""A 2-rank CPU job for tests/test_relocation_torchrun.py and tests/test_relocation_review_regressions.py (run
+under torchrun, or plainly).
 
 Rank 1 starts on a slow ``t4`` (emulated at 0.4x); the cluster description offers an idle ``v100`` at
 accelerator index 0. This script plays the cluster manager: after a relocation restart it describes the
