@@ -85,6 +85,30 @@ def test_the_allocators_split_and_gate_on_the_replaced_line_and_say_so(make):
     assert make().allocate(_lines(), total, bounds, current=PLAN) == plans[False]
 
 
+def test_one_decision_runs_the_peer_check_once_and_a_new_plan_runs_it_again(monkeypatch):
+    import hetero_plugins.scheduler.dqn_allocator as module
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[5])
+        return peer_fixed_costs(*args, **kwargs)
+
+    monkeypatch.setattr(module, "peer_fixed_costs", counted)
+    alloc = AutoAllocator()
+    alloc.set_context(devices=DEVICES, corunners=[None] * 4, next_corunners=[None] * 4)
+    alloc.allocate(_lines(), sum(PLAN), Bounds.uniform(4), current=PLAN)
+    first = alloc.lines(_lines(), 4)
+    first[0][:] = -1.0  # a caller's change to what it was handed does not reach the next caller
+    again = alloc.lines(_lines(), 4)
+    assert len(calls) == 1 and alloc.dqn.peer_refuted == [0]
+    want_a, want_s, _ = peer_fixed_costs(A, S, DATA, TOP, DEVICES, PLAN)
+    assert np.array_equal(again[0], want_a) and np.array_equal(again[1], want_s)
+    other = [PLAN[0] // 4, *PLAN[1:]]  # rank 0 now runs far below its peers: nothing refutes its line
+    alloc.allocate(_lines(), sum(other), Bounds.uniform(4), current=other)
+    assert calls[-1] == other and alloc.dqn.peer_refuted == []
+
+
 def test_peer_lines_must_be_a_bool():
     with pytest.raises(ValueError, match="peer_lines"):
         AutoAllocator(peer_lines="yes")

@@ -98,6 +98,7 @@ class DQNAllocator(Allocator):
         self.peer_refuted: list[int] = []  #: ranks whose flat lines the last decision replaced (``peer_lines``)
         self._devices: list[str] | None = None  # each rank's device type, from the latest context
         self._current: list[int] | None = None  # the plan in force at the decision (each rank's latest level)
+        self._peer_memo: tuple[Any, np.ndarray, np.ndarray, list[int]] | None = None  # the last peer check
 
     def set_context(self, utilisation: Sequence[float] | None = None, data: Sequence[float] | None = None,
                     devices: Sequence[str] | None = None, corunners: Sequence[str | None] | None = None,
@@ -178,13 +179,25 @@ class DQNAllocator(Allocator):
         slows the compute, so the seconds of each intercept that are the wait for data are not scaled)."""
         a, beta = line_arrays(models)
         if self.peer_lines and self._devices is not None and self._current is not None:
-            a, beta, self.peer_refuted = peer_fixed_costs(a, beta, data_seconds(models, world_size),
-                                                          knee_arrays(models)[0], self._devices, self._current)
+            a, beta = self._peer_checked(a, beta, data_seconds(models, world_size), knee_arrays(models)[0])
         f = self._factors
         if f is not None and len(f) == world_size:
             d = data_seconds(models, world_size)
             a, beta = (a - d) * f + d, beta * f
         return a, beta
+
+    def _peer_checked(self, a: np.ndarray, beta: np.ndarray, data: np.ndarray,
+                      measured: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`peer_fixed_costs` on these lines, computed once for the same lines, devices and plan: one decision
+        asks for its lines several times (the split, the hedge's second split, the planner's gate and clipping)."""
+        key = (a.tobytes(), beta.tobytes(), data.tobytes(), None if measured is None else measured.tobytes(),
+               tuple(self._devices or ()), tuple(self._current or ()))
+        if self._peer_memo is None or self._peer_memo[0] != key:
+            self._peer_memo = (key, *peer_fixed_costs(a, beta, data, measured, self._devices or [],
+                                                      self._current or []))
+        _, a2, beta2, refuted = self._peer_memo
+        self.peer_refuted = list(refuted)
+        return a2.copy(), beta2.copy()
 
     def knees(self, models: Sequence[TimeModelParams], world_size: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """``models``' knees and the slopes past them (the planner's ``extrapolate="proportional"``) as the last
