@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
+# The strategy with its default aggregation ("weighted") is run by tests/test_lightning_strategy.py (its update
+# against one process on the unions); here, the example script as the README runs it, one job per entry point.
 @pytest.mark.parametrize(
     "callback, aggregation, where", [
-        (False, "weighted", ["--accelerator", "auto", "--devices", "auto", "--speeds", "1,0.25"]),
         (True, "weighted", ["--accelerator", "cpu", "--devices", "2", "--speeds", "1,0.25"]),
         (False, "wbsp", []),  # the defaults: --accelerator auto --devices auto --speeds auto (1,0.25 on the CPU)
     ],
-    ids=["hetero_ddp", "ddp+BatchBalancer", "hetero_ddp+wbsp"],
+    ids=["ddp+BatchBalancer", "hetero_ddp+wbsp"],
 )
 def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation, where):
     out = tmp_path / "out.pt"
@@ -159,7 +160,7 @@ pl.seed_everything(0, verbose=False)
 t = pl.Trainer(accelerator="cpu", devices=2, strategy=HeteroDDPStrategy(), max_epochs=1, limit_train_batches=12,
                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                num_sanity_val_steps=0, limit_val_batches=0,
-               callbacks=[HeterogeneityEmulator([1.0, 0.25], cost_per_sample=0.002)])
+               callbacks=[HeterogeneityEmulator([1.0, 0.1], cost_per_sample=0.003)])
 model = DigitsMLP(batch_size=16)
 t.fit(model)
 x, y = digits_datasets(dtype=torch.float64)[1].tensors
@@ -171,8 +172,9 @@ if t.is_global_zero:
 
 def test_predict_after_fit_on_fewer_samples_than_the_plan_shares_gives_every_rank_some(tmp_path):
     """Launched as a user launches a script (Lightning re-runs it per rank, so the fitted plan stays for predict):
-    rank 1 (4x slower) holds about 1 in 5 samples, so 4 predict samples shared by speed left it none, and
-    Lightning stopped that rank ("DataLoader within local rank has zero length")."""
+    rank 1 (10x slower) holds about 1 in 11 samples, so 4 predict samples shared by speed left it none, and
+    Lightning stopped that rank ("DataLoader within local rank has zero length"). The gap is wide so that the
+    fitted plan reaches that regime on a loaded machine too (at 4x, a plan of [25, 7] once missed it)."""
     script = tmp_path / "predict_after_fit.py"
     script.write_text(PREDICT_AFTER_FIT)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONWARNINGS="ignore")
@@ -180,5 +182,5 @@ def test_predict_after_fit_on_fewer_samples_than_the_plan_shares_gives_every_ran
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = [int(b) for b in re.search(r"PLAN \[(\d+), (\d+)\]", proc.stdout).groups()]
-    assert plan[1] * 5 <= sum(plan)  # 4 samples by this share: none for rank 1
+    assert plan[1] * 5 <= sum(plan)  # 4 samples by this share (< 0.8): none for rank 1
     assert "PREDICTED 4" in proc.stdout

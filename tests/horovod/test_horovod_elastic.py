@@ -1,4 +1,4 @@
-"""Elastic Horovod: a worker killed mid-epoch and workers added; no sample lost or repeated.
+"""Elastic Horovod: a host removed, a worker killed between commits and workers added; no sample lost or repeated.
 
 The job runs on localhost under several host names that all resolve to this machine (``localhost``,
 ``127.0.0.1``, the host name and its address), one slot each: Horovod blacklists the host of a failed
@@ -39,28 +39,31 @@ def _local_names() -> list[str]:
 
 
 @pytest.mark.horovod
-def test_elastic_kill_and_add_worker(horovodrun, tmp_path):
+def test_elastic_removal_a_kill_between_commits_and_added_workers_learn_every_sample_once(horovodrun, tmp_path):
+    """One elastic job through the three ways its world changes: a graceful host removal (Horovod resets without
+    restoring or syncing the state), a worker killed between commits (the steps since the last commit are rolled
+    back) and hosts added to the discovery file. The union of what was committed holds every sample exactly once
+    per epoch, and every plan shares the same global batch over the ranks of its world."""
     names = _local_names()
     if len(names) < 3:
         pytest.fail(f"the elastic test needs 3 distinct local host names, found {names}")
-    added = names[2:4]  # one or two workers join at epoch 2
-    (tmp_path / "hosts").write_text(f"{names[0]}:1\n{names[1]}:1\n")
+    # A killed worker's host is blacklisted; a gracefully removed one is not, so it may come back.
+    added = names[3:4] or names[2:3]
+    (tmp_path / "hosts").write_text("".join(f"{n}:1\n" for n in names[:3]))
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
-    horovodrun(
-        ["-np", "2", "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(discover),
-         "--elastic-timeout", "60", "--gloo", sys.executable, str(SCRIPTS / "elastic_check.py"), str(tmp_path),
-         ",".join(f"{n}:1" for n in added)],
-        timeout=200, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"},
-    )
+    horovodrun(["-np", "3", "--min-np", "1", "--max-np", "3", "--host-discovery-script", str(discover),
+                "--elastic-timeout", "60", "--gloo", sys.executable, str(SCRIPTS / "elastic_check.py"),
+                str(tmp_path), names[2], ",".join(f"{n}:1" for n in added)],
+               timeout=240, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
     steps, done = [], []
     for f in tmp_path.glob("log-*.jsonl"):
         for line in f.read_text().splitlines():
             d = json.loads(line)
             (done if d.get("done") else steps).append(d)
-    assert (tmp_path / "killed").exists() and (tmp_path / "grown").exists()
-    for epoch in range(4):
+    assert all((tmp_path / m).exists() for m in ("removed", "killed", "grown"))
+    for epoch in range(5):
         idx = [i for d in steps if d["epoch"] == epoch for i in d["indices"]]
         counts = collections.Counter(idx)
         repeated = sorted(i for i, c in counts.items() if c > 1)
@@ -68,11 +71,14 @@ def test_elastic_kill_and_add_worker(horovodrun, tmp_path):
         assert not repeated and not lost, f"epoch {epoch}: repeated {repeated[:10]}, lost {lost[:10]}"
         for d in steps:
             if d["epoch"] == epoch:
-                assert sum(d["plan"]) == 8 and len(d["plan"]) == d["world"], d
+                assert sum(d["plan"]) == 12 and len(d["plan"]) == d["world"], d
+    # Horovod's driver polls the discovery script about once a second, so the removal takes effect at the first
+    # commit after that (epoch 1 or 2, by the machine's load); the kill in epoch 2 follows it or precedes it, and
+    # the job is down to one worker by the end of epoch 2. The added hosts join in epoch 3 or 4.
     worlds = {(d["epoch"], d["world"]) for d in steps}
-    assert (1, 2) in worlds and (1, 1) in worlds, f"the kill in epoch 1 did not shrink the job: {sorted(worlds)}"
+    assert (0, 3) in worlds and 2 in {w for _, w in worlds} and (2, 1) in worlds, sorted(worlds)
     grown = 1 + len(added)
-    assert any(w == grown for _, w in worlds), f"the job never grew to {grown} workers: {sorted(worlds)}"
+    assert any(e >= 3 and w == grown for e, w in worlds), f"the job never grew to {grown} workers: {sorted(worlds)}"
     assert len(done) == grown and all(d["world"] == grown for d in done), done
 
 
