@@ -132,20 +132,39 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
 def run_torchrun(cmd: list[str], tmp_path: Any, env: dict[str, str],
                  timeout: float = 240.0) -> subprocess.CompletedProcess:
     """Run a torchrun (or Lightning) launch ``cmd`` from ``tmp_path`` in a session of its own and return it
-    finished. On timeout every process whose command line names ``tmp_path`` (the job's ``--out``) is killed,
-    since torchrun starts each worker in a session of its own, and the test fails with the output's tail."""
+    finished. On timeout the job is killed (:func:`kill_job`, its command lines marked by ``tmp_path``, the job's
+    ``--out``: torchrun starts each worker in a session of its own) and the test fails with the output's tail."""
     p = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import psutil
         import pytest
 
-        for proc in psutil.process_iter(["cmdline"]):
-            if str(tmp_path) in " ".join(proc.info["cmdline"] or []):
-                proc.kill()
-        os.killpg(p.pid, signal.SIGKILL)
+        kill_job(p.pid, marker=str(tmp_path))
         out, err = p.communicate()
         pytest.fail(f"the job did not finish in {timeout} s:\n{out[-3000:]}{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def kill_job(pid: int, marker: str | None = None) -> None:
+    """SIGKILL a job started in a session of its own (``start_new_session=True``): its process group, every process
+    below ``pid`` (launchers such as horovodrun and torchrun start workers in groups or sessions of their own) and,
+    with ``marker``, every process whose command line holds it (a worker its launcher's death left orphaned)."""
+    import psutil
+
+    try:
+        doomed = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        doomed = []
+    if marker is not None:
+        doomed += [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    for p in doomed:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,15 +1,14 @@
 """Launch real ``horovodrun`` jobs from pytest, bounded in time.
 
 Horovod missing: the tests skip, unless ``HETERO_PLUGINS_REQUIRE_HOROVOD=1`` (CI), where they fail.
-Every job runs in its own process group with a timeout; on timeout the whole group is killed, and
-``HOROVOD_GLOO_TIMEOUT_SECONDS`` / ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` bound a hung collective inside it.
+Every job runs in its own process group with a timeout; on timeout the job is killed with every process below
+it, and ``HOROVOD_GLOO_TIMEOUT_SECONDS`` / ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` bound a hung collective inside it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.distributed import kill_job
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -46,10 +47,10 @@ def horovod_available() -> None:
 
 def run_job(args: list[str], timeout: float, env: dict[str, str] | None = None,
             stop_after: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``horovodrun *args`` from the repo root; kill its process group after ``timeout`` seconds.
+    """Run ``horovodrun *args`` from the repo root; kill the job (:func:`kill_job`) after ``timeout`` seconds.
 
-    ``stop_after``: once a line of the output contains it, the job gets 2 more seconds to end by itself, then its
-    process group is killed (``returncode`` ``-9``). The freeze tests pass horovodrun's "Terminating remaining
+    ``stop_after``: once a line of the output contains it, the job gets 2 more seconds to end by itself, then it
+    is killed (``returncode`` ``-9``). The freeze tests pass horovodrun's "Terminating remaining
     workers": from there Horovod's teardown of a stopped (``SIGSTOP``) rank waits out two 5 s grace periods
     before its ``SIGKILL``, 10 s a test of Horovod's own code.
     """
@@ -82,9 +83,9 @@ def run_job(args: list[str], timeout: float, env: dict[str, str] | None = None,
         try:
             proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
+            kill_job(proc.pid)
     elif proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc.pid)
         proc.wait()
         reader.join(timeout=10)
         out = "".join(lines)
@@ -92,22 +93,6 @@ def run_job(args: list[str], timeout: float, env: dict[str, str] | None = None,
     proc.wait()
     reader.join(timeout=10)
     return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "")
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it: horovodrun starts its workers in process groups of their own."""
-    import psutil
-
-    try:
-        tree = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture
