@@ -178,23 +178,22 @@ class DQNAllocator(Allocator):
         """Intercepts and slopes of ``models`` as used by the last decision (its corrections applied: a co-runner
         slows the compute, so the seconds of each intercept that are the wait for data are not scaled)."""
         a, beta = line_arrays(models)
+        d = data_seconds(models, world_size)
         if self.peer_lines and self._devices is not None and self._current is not None:
-            a, beta = self._peer_checked(a, beta, data_seconds(models, world_size), knee_arrays(models)[0])
+            a, beta = self._peer_checked(a, beta, d, knee_arrays(models)[0], self._devices, self._current)
         f = self._factors
         if f is not None and len(f) == world_size:
-            d = data_seconds(models, world_size)
             a, beta = (a - d) * f + d, beta * f
         return a, beta
 
-    def _peer_checked(self, a: np.ndarray, beta: np.ndarray, data: np.ndarray,
-                      measured: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _peer_checked(self, a: np.ndarray, beta: np.ndarray, data: np.ndarray, measured: np.ndarray | None,
+                      devices: list[str], current: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """:func:`peer_fixed_costs` on these lines, computed once for the same lines, devices and plan: one decision
         asks for its lines several times (the split, the hedge's second split, the planner's gate and clipping)."""
         key = (a.tobytes(), beta.tobytes(), data.tobytes(), None if measured is None else measured.tobytes(),
-               tuple(self._devices or ()), tuple(self._current or ()))
+               tuple(devices), tuple(current))
         if self._peer_memo is None or self._peer_memo[0] != key:
-            self._peer_memo = (key, *peer_fixed_costs(a, beta, data, measured, self._devices or [],
-                                                      self._current or []))
+            self._peer_memo = (key, *peer_fixed_costs(a, beta, data, measured, devices, current))
         _, a2, beta2, refuted = self._peer_memo
         self.peer_refuted = list(refuted)
         return a2.copy(), beta2.copy()
