@@ -28,8 +28,15 @@ demo: $(STAMP)
 	$(VENV)/bin/hetero-plugins demo --out demo_output
 	$(VENV)/bin/hetero-plugins report demo_output/run --out demo_output/report.png
 
+# Two passes, both always run: the single-process tests in TEST_WORKERS pytest-xdist workers (one torch thread
+# each), then the multi-process ones (marked distributed or horovod) one at a time, as their timeouts assume.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(HVD_STAMP)
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
+	@rc=0; \
+	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not distributed and not horovod" \
+		-n $(TEST_WORKERS) || rc=$$?; \
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "distributed or horovod" || rc=$$?; \
+	exit $$rc
 
 bench: $(STAMP) $(HVD_STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/horovod_bench.py --out bench_output/horovod.json

@@ -5,6 +5,16 @@ import pytest
 from tests.helpers.distributed import start_fork_server
 
 
+def pytest_runtest_setup(item):
+    """Multi-process tests time their ranks on this machine's cores: they fail in pytest-xdist workers, where
+    other tests would take those cores (``make test`` runs them in a second, serial pass)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None and (
+            item.get_closest_marker("distributed") or item.get_closest_marker("horovod")):
+        pytest.fail(f"{item.nodeid} starts several processes and must not run in a pytest-xdist worker. HINT: run "
+                    "`pytest -m 'distributed or horovod'` without -n, and the rest with "
+                    "`pytest -m 'not distributed and not horovod' -n 2`, as `make test` does.", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _restore_env():
     """Fail-safe: tests must not leak environment variables (Lightning sets some during fit)."""

@@ -19,7 +19,8 @@ from tests.helpers.report_png import colored_pixels
 from tests.helpers.terminal import run_in_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.distributed
+# The jobs that start ranks are marked distributed (run alone); the argument checks and the README check run in
+# `make test`'s parallel pass.
 
 
 # The strategy with its default aggregation ("weighted") is run by tests/test_lightning_strategy.py (its update
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.distributed
     ],
     ids=["ddp+BatchBalancer", "hetero_ddp+wbsp"],
 )
+@pytest.mark.distributed
 def test_lightning_example_trains_balances_and_predicts_in_order(tmp_path, callback, aggregation, where):
     out = tmp_path / "out.pt"
     cmd = [sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--epochs", "2", "--out", str(out),
@@ -89,6 +91,7 @@ def test_readme_on_gpus_is_what_the_examples_run():
             assert f'"{flag}"' in source, (script, flag)
 
 
+@pytest.mark.distributed
 def test_demo_command_runs_end_to_end(tmp_path):
     """The main job's code path, on a terminal (`make demo` runs the same commands with 4 ranks and 6 epochs):
     the demo with its progress bars and table, then `hetero-plugins report` on the run it kept."""
@@ -170,6 +173,7 @@ if t.is_global_zero:
 '''
 
 
+@pytest.mark.distributed
 def test_predict_after_fit_on_fewer_samples_than_the_plan_shares_gives_every_rank_some(tmp_path):
     """Launched as a user launches a script (Lightning re-runs it per rank, so the fitted plan stays for predict):
     rank 1 (10x slower) holds about 1 in 11 samples, so 4 predict samples shared by speed left it none, and

@@ -48,8 +48,10 @@ def main() -> None:
             else:
                 assert comm.allgather_object(f"r{rank}", name="test.objects") == [f"r{r}" for r in range(size)]
     except CollectiveError as err:
-        with open(os.path.join(args.out, f"error_rank{rank}.txt"), "w") as f:
+        path = os.path.join(args.out, f"error_rank{rank}.txt")
+        with open(path + ".tmp", "w") as f:  # renamed once whole: mpirun may kill this rank mid-write
             f.write(f"{type(err).__name__}: {err}")
+        os.replace(path + ".tmp", path)
         raise
 
 

@@ -75,8 +75,7 @@ def freeze(out: str, mode: str, frozen: int = 0, sleep: bool = False) -> None:
                     torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
     except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
-        with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
+        _record(out, rank, err)
         raise
 
 
@@ -127,8 +126,7 @@ def freeze_lightning(out: str, at_epoch_end: bool) -> None:
     try:
         trainer.fit(Net())
     except Exception as err:  # noqa: BLE001 - recorded whole: horovodrun may split the line it prints
-        with open(os.path.join(out, f"error_rank{hvd.rank()}.txt"), "w") as f:
-            f.write(f"{type(err).__name__}: {err}")
+        _record(out, hvd.rank(), err)
         raise
 
 
@@ -150,8 +148,11 @@ def _stall(out: str) -> None:
 
 
 def _record(out: str, rank: int, err: BaseException) -> None:
-    with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as f:
+    """``error_rank{rank}.txt``, renamed into place once whole: horovodrun may kill this rank mid-write."""
+    path = os.path.join(out, f"error_rank{rank}.txt")
+    with open(path + ".tmp", "w") as f:
         f.write(f"{type(err).__name__}: {err}")
+    os.replace(path + ".tmp", path)
 
 
 def stall(out: str, kind: str) -> None:
