@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)  # one process at a time (pip, then the check): the parallel pass
 #: Source folders and the package names they install as (pyproject.toml's package-dir).
 SOURCES = {"hetero_plugins": "hetero_plugins", "callbacks": "hetero_plugins/callbacks",
            "strategies": "hetero_plugins/strategies"}

@@ -12,9 +12,10 @@ import pytest
 from hetero_plugins.apps import report
 from tests.horovod.conftest import REPO
 
-pytestmark = [pytest.mark.horovod, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.horovod
 def test_horovod_example_runs_where_it_is_and_its_json_reports(horovodrun, tmp_path):
     out = tmp_path / "hvd.json"
     res = horovodrun(["-np", "2", "-H", "localhost:2", "--gloo", "python", "examples/horovod_train.py",

@@ -25,7 +25,8 @@ from tests.horovod.conftest import SCRIPTS, run_job
 
 pytestmark = pytest.mark.horovod
 
-TIMEOUT = 6  # HETERO_PLUGINS_TIMEOUT and HOROVOD_GLOO_TIMEOUT_SECONDS in the freeze jobs
+TIMEOUT = 4  # HETERO_PLUGINS_TIMEOUT in the freeze jobs
+GLOO_TIMEOUT = 6  # HOROVOD_GLOO_TIMEOUT_SECONDS
 #: horovodrun's line once a rank has exited with an error: the job is ending (see ``run_job``'s ``stop_after``).
 TEARDOWN = "Terminating remaining workers after failure of Process"
 
@@ -51,7 +52,7 @@ def test_ranks_that_disagree_on_the_sampler_all_raise_naming_the_rank_and_the_ar
 def test_a_frozen_rank_0_ends_the_job_with_an_error_naming_it(horovod_available, tmp_path, mode):
     """``lightning_epoch_end``: ``Trainer(strategy=HeteroHorovodStrategy())``, rank 0 frozen at the end of an epoch,
     where the strategy's own collectives (the balancer's gather and broadcast) wait for it."""
-    env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+    env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)}
     res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
                    str(tmp_path), f"freeze:{mode}"], timeout=TIMEOUT + 100, env=env, stop_after=TEARDOWN)
     ended = time.time()
@@ -78,7 +79,7 @@ def test_a_stalled_rank_with_an_unused_parameter_ends_within_the_timeout(horovod
     ``HeteroHorovodStrategy``'s ``post_backward``; ``plain_sync``: the user calls ``optimizer.synchronize()`` to
     clip the gradients, then steps inside ``skip_synchronize()``); rank 0 must raise within the timeout, naming
     rank 1."""
-    env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+    env = {"HETERO_PLUGINS_TIMEOUT": str(TIMEOUT), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)}
     res = run_job(["-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
                    str(tmp_path), f"stall:{kind}"], timeout=90, env=env, stop_after=TEARDOWN)
     ended = time.time()
@@ -101,7 +102,7 @@ def test_among_three_ranks_with_no_store_the_survivors_name_the_frozen_one(horov
     up after the timeout and, unable to tell who is missing from the collective itself, ask each other through
     the rendezvous server."""
     timeout = 6
-    env = {"HETERO_PLUGINS_TIMEOUT": str(timeout), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+    env = {"HETERO_PLUGINS_TIMEOUT": str(timeout), "HOROVOD_GLOO_TIMEOUT_SECONDS": str(GLOO_TIMEOUT)}
     res = run_job(["-np", "3", "-H", "localhost:3", "--gloo", sys.executable, str(SCRIPTS / "faults_check.py"),
                    str(tmp_path), "freeze:weighted:1:sleep"], timeout=timeout + 100, env=env, stop_after=TEARDOWN)
     ended = time.time()
