@@ -105,6 +105,16 @@ class SlowInputDigitsMLP(DigitsMLP):
                           collate_fn=SlowCollate(1, self.wait))
 
 
+class OwnWeights(Callback):
+    """Each rank of a stock DDP run started from the fork server gets its own copy of the weights, as a
+    ``torchrun`` launch gives it (there, Lightning leaves one copy shared by all ranks; nothing else changes)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from hetero_plugins.callbacks.shared_weights import unshare_module_memory
+
+        unshare_module_memory(pl_module)
+
+
 class Report(Callback):
     """Every rank writes what it saw: its plan, its history, its batch sizes per epoch, the hook's calls."""
 

@@ -16,7 +16,7 @@ from hetero_plugins.balancing.partition import epoch_layout, epoch_shards
 from hetero_plugins.strategies import HeteroDDPStrategy
 from hetero_plugins.apps.digits import digits_datasets
 from tests.helpers.distributed import START_METHOD, rank_output
-from tests.lightning_jobs import DigitsMLP, Report, read_reports
+from tests.lightning_jobs import DigitsMLP, OwnWeights, Report, read_reports
 
 pytestmark = pytest.mark.distributed
 
@@ -105,6 +105,20 @@ def test_strategy_rebalances_and_equals_single_process_on_unions(tmp_path):
         acc = (ref(val.tensors[0]).argmax(1) == val.tensors[1]).double().mean().item()
     assert t.callback_metrics["val_acc"].item() == pytest.approx(acc, abs=1e-12)
     assert {rep["plan_history"][-1]["next_batch_sizes"][rep["rank"]] for rep in reports} != {16}
+    # The same updates as stock DDP, end to end: stock "ddp" from the same weights and seed (equal batches of 16,
+    # Lightning's DistributedSampler) ends on the same weights, float64 to 1e-9, though the run above split each
+    # step's 32 samples unevenly and moved the split mid-epoch.
+    assert any(h["plan_changes"] for h in hist)
+    stock = DigitsMLP(batch_size=16)
+    stock.load_state_dict(initial)
+    (tmp_path / "stock").mkdir()
+    trainer(tmp_path / "stock", DDPStrategy(start_method=START_METHOD), [OwnWeights()], max_epochs=3).fit(stock)
+    stock_reports = read_reports(str(tmp_path / "stock"), 2)
+    assert [rep["plan_history"] for rep in stock_reports] == [None, None]  # no balancer took part
+    assert {b for rep in stock_reports for sizes in rep["batches"].values() for b in sizes[:-1]} == {16}
+    assert any((p - initial[name]).abs().max() > 0.01 for name, p in model.state_dict().items())
+    for (name, p), q in zip(model.state_dict().items(), stock_reports[0]["state"].values()):
+        assert torch.allclose(p, torch.tensor(q, dtype=p.dtype), rtol=0, atol=1e-9), (name, (p - torch.tensor(q)).abs().max())
     # Validation inside fit follows each epoch's plan (Lightning prepares its loader once, under the equal plan).
     for e in (1, 2):
         shares = [rep["val_batches"][str(e)][0] for rep in reports]

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from hetero_plugins.collectives import release_process_group_at_exit
 from hetero_plugins.progress import Progress, is_quiet
 
-__all__ = ["DigitsCNN", "RunRecorder", "digits_datasets"]
+__all__ = ["DigitsCNN", "RunRecorder", "digits_datasets", "val_accuracy"]
 
 
 def digits_datasets(seed: int = 0, val_fraction: float = 0.2, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
@@ -37,10 +37,18 @@ def digits_datasets(seed: int = 0, val_fraction: float = 0.2, dtype: torch.dtype
 
 
 class DigitsCNN(pl.LightningModule):
-    """Two conv layers and two linear layers; SGD with momentum and a cosine schedule. Logs ``val_acc``/``val_loss``."""
+    """Two conv layers and two linear layers; SGD with momentum and a cosine schedule. Logs ``val_acc``/``val_loss``.
 
-    def __init__(self, lr: float = 0.1, momentum: float = 0.9, batch_size: int = 32, seed: int = 0) -> None:
+    ``dtype="float64"`` runs the network and the data in double precision: two runs that compute the same
+    updates in a different order (stock DDP and HeteroDDPStrategy sum each step's gradients by rank) then agree
+    to rounding, where float32's rounding grows over epochs of SGD with momentum (``make bench``)."""
+
+    def __init__(self, lr: float = 0.1, momentum: float = 0.9, batch_size: int = 32, seed: int = 0,
+                 dtype: str = "float32") -> None:
         super().__init__()
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"`dtype` must be 'float32' or 'float64', got {dtype!r}. HINT: 'float64' gives runs "
+                             "whose updates can be compared to rounding (e.g. stock DDP against HeteroDDPStrategy).")
         self.save_hyperparameters()
         self.net = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
@@ -48,6 +56,7 @@ class DigitsCNN(pl.LightningModule):
             nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
         )
         self.loss = nn.CrossEntropyLoss()
+        self.to(getattr(torch, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -73,12 +82,22 @@ class DigitsCNN(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(1, epochs))}
 
     def train_dataloader(self) -> DataLoader:
-        train, _ = digits_datasets(self.hparams.seed)
+        train, _ = digits_datasets(self.hparams.seed, dtype=getattr(torch, self.hparams.dtype))
         return DataLoader(train, batch_size=self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        _, val = digits_datasets(self.hparams.seed)
+        _, val = digits_datasets(self.hparams.seed, dtype=getattr(torch, self.hparams.dtype))
         return DataLoader(val, batch_size=self.hparams.batch_size)
+
+
+def val_accuracy(state_dict: dict[str, torch.Tensor], dtype: str = "float32", seed: int = 0) -> float:
+    """Accuracy of a :class:`DigitsCNN` with these weights on the whole validation split, each sample once (the
+    figure in-run validation can only approximate: stock DDP's sampler pads the last batch with repeated samples)."""
+    model = DigitsCNN(seed=seed, dtype=dtype)
+    model.load_state_dict(state_dict)
+    _, val = digits_datasets(seed, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        return float((model(val.tensors[0]).argmax(1) == val.tensors[1]).double().mean())
 
 
 class RunRecorder(Callback):
@@ -93,11 +112,15 @@ class RunRecorder(Callback):
     Args:
         path: JSON file to write.
         label: prefix of the progress lines and label of the bar; ``None`` prints nothing.
+        weights: where rank 0 saves the module's final ``state_dict`` (``torch.save``) at the fit's end; ``None``:
+            nowhere.
     """
 
-    def __init__(self, path: str | os.PathLike, label: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, label: str | None = None,
+                 weights: str | os.PathLike | None = None) -> None:
         self.path = Path(path)
         self.label = label
+        self.weights = None if weights is None else Path(weights)
         self.epochs: list[dict[str, Any]] = []
         self._t0: float | None = None
         self._last: float | None = None
@@ -164,6 +187,8 @@ class RunRecorder(Callback):
             self._bar = None
         if trainer.is_global_zero:
             self._write(trainer)
+            if self.weights is not None:
+                torch.save({k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}, self.weights)
 
     def _write(self, trainer: pl.Trainer) -> None:
         history = getattr(trainer.strategy, "plan_history", None)

@@ -30,6 +30,8 @@ def run_digits_job(
     aggregation: Any = None,
     momentum: float = 0.9,
     run_dir: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    keep_weights: bool = False,
 ) -> dict[str, Any]:
     """Train the digits CNN on ``len(speeds)`` spawned CPU ranks; return rank 0's record.
 
@@ -45,6 +47,8 @@ def run_digits_job(
         run_dir: keep what a user's run leaves behind there: Lightning's ``CSVLogger`` log (the ``hetero/*``
             metrics) and its default checkpoint (the balancer's state), under ``lightning_logs/version_N``;
             ``hetero-plugins report run_dir`` draws them. ``None``: no log, no checkpoint.
+        dtype: the CNN's and the data's float type (``"float32"`` or ``"float64"``).
+        keep_weights: also return rank 0's final weights, as ``record["state_dict"]``.
 
     Returns:
         ``{"epochs": [...], "plan_history": [...]}``: per-epoch train time, wall time, val accuracy and loss,
@@ -68,7 +72,7 @@ def run_digits_job(
     record = Path(tmp) / "record.json"
     callbacks: list[Any] = [
         HeterogeneityEmulator(speeds, cost_per_sample=cost_per_sample, schedule=schedule, stalls=stalls),
-        RunRecorder(record, label=label),
+        RunRecorder(record, label=label, weights=Path(tmp) / "weights.pt" if keep_weights else None),
     ]
     if mode == "ddp":
         callbacks.append(StragglerMonitor())
@@ -88,8 +92,13 @@ def run_digits_job(
         enable_checkpointing=run_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=tmp if run_dir is None else os.fspath(run_dir),
     )
-    trainer.fit(DigitsCNN(batch_size=batch_size, seed=seed, momentum=momentum))
-    return json.loads(record.read_text())
+    trainer.fit(DigitsCNN(batch_size=batch_size, seed=seed, momentum=momentum, dtype=dtype))
+    result = json.loads(record.read_text())
+    if keep_weights:
+        import torch
+
+        result["state_dict"] = torch.load(Path(tmp) / "weights.pt", weights_only=True)
+    return result
 
 
 def steady_mean(record: Mapping[str, Any], skip: int = 2, key: str = "train_time", until: int | None = None) -> float:
