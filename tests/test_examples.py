@@ -102,6 +102,7 @@ def test_demo_command_runs_end_to_end(tmp_path):
     rc, screen = run_in_terminal(cmd, cwd=tmp_path, env=env, timeout=300)
     assert rc == 0, screen[-3000:]
     assert "steady epoch time" in screen and "batch sizes per rank" in screen
+    assert "final val accuracy (every validation sample once): stock DDP 0." in screen
     assert "ideal for these speeds: 2.50x" in screen  # (1 + 0.25) / (2 x 0.25), not the default speeds' 2.75x
     # Each run draws a bar over its steps, with the rate and the time left (2 epochs of 23 steps).
     for label in ("stock DDP", "hetero"):
@@ -112,6 +113,8 @@ def test_demo_command_runs_end_to_end(tmp_path):
     assert (out / "plot.png").stat().st_size > 10_000
     results = json.loads((out / "results.json").read_text())
     assert len(results["ddp"]["epochs"]) == len(results["hetero"]["epochs"]) == 2
+    # Both final models scored on the 359 validation samples once each (stock DDP's in-run figure pads to 360).
+    assert {round(results[k]["final_val_acc"] * 359, 6) % 1 for k in ("ddp", "hetero")} == {0.0}
     assert results["hetero"]["plan_history"][-1]["batch_sizes"][1] < 16  # the slow rank got less work
 
     # make demo's last step: the report of the HeteroDDPStrategy run, from its checkpoint.
