@@ -315,9 +315,59 @@ def test_the_scheduler_benchmark_averages_placement_over_its_placement_only_clus
     rows = {t["target"].split(",")[0]: t for t in mod.targets(res)}
     learned = next(t for k, t in rows.items() if k.startswith("learned placement vs greedy"))
     assert "the 2 test scenarios with churn + slots among the first 8 seeds" in learned["target"]
-    assert float(learned["figures"]) == pytest.approx((1.2 + row["learned_vs_greedy"]) / 2, abs=1e-3)
+    assert float(learned["figures"].split()[0]) == pytest.approx((1.2 + row["learned_vs_greedy"]) / 2, abs=1e-3)
+    lo, hi = mod.mean_interval([1.2, row["learned_vs_greedy"]])
+    assert f"95% interval over clusters {lo:.3f}-{hi:.3f}" in learned["figures"]
     with pytest.raises(SystemExit):
         mod.main(["--test-count", "5", "--placement-count", "2"])
+
+
+def test_the_scheduler_benchmark_gives_the_placement_means_an_interval_and_re_renders_stored_results(tmp_path):
+    """``benchmarks/scheduler_bench.py``: the placement means carry a bootstrap interval over clusters (it holds
+    the mean, widens with the spread and shrinks with more clusters); ``--render`` recomputes the verdicts of a
+    stored results file, writes them back and rewrites the README's table, and a missing or foreign file is
+    refused naming the flag and the fix."""
+    mod = _benchmark("scheduler_bench")
+    rng = np.random.default_rng(3)
+    few, many = rng.normal(1.04, 0.03, 20), rng.normal(1.04, 0.03, 500)
+    wide = 1.04 + 3 * (few - 1.04)  # the same clusters' gains and losses, three times as large
+    for v in (few, many, wide):
+        lo, hi = mod.mean_interval(v)
+        assert lo < float(np.mean(v)) < hi
+    width = {k: np.subtract(*mod.mean_interval(v)[::-1]) for k, v in (("few", few), ("many", many), ("wide", wide))}
+    assert width["many"] < width["few"] / 3 and width["wide"] == pytest.approx(3 * width["few"])
+    assert mod.mean_interval([1.1]) == (1.1, 1.1)
+
+    def churn(name, ratio):
+        return {"scenario": name, "split": "test", "churn_and_slots": True, "world_size": 4,
+                "best_analytic": "equal_finish", "vs_best_analytic": {"auto": 1.0, "auto_split": 1.0, "dqn": 1.0},
+                "busy_fraction": {"equal_finish": 0.9, "auto": 0.9, "dqn": 0.9},
+                "auto_decisions": {"auto_ncf": 0, "auto_fallback": 0, "auto_reloc_kept": 0, "auto_reloc_vetoed": 0},
+                "learned_vs_greedy": ratio, "learned_vs_none": ratio, "greedy_vs_none": 1.0}
+
+    res = {"scenarios": [churn("a", 1.2), churn("b", 1.0)], "placement_scenarios": [], "placement_count": 2,
+           "seeds": [0], "scenario_note": "test", "ncf_source": "test", "machine": {"processor": "x", "python": "3"},
+           "bench_seconds": 1.0, "command": "make bench-scheduler",
+           "ncf_leave_pairs_out": {"ncf_mean_rel_error": 0.05, "additive_mean_rel_error": 0.2},
+           "transfer": {"skipped": "test"}, "targets": [],
+           "latency_1024_ranks": {"world_size": 1024,
+                                  **{a: {"median_ms": 1.0} for a in ("equal_finish", "dqn", "auto")}}}
+    stored = tmp_path / "scheduler.json"
+    stored.write_text(json.dumps(res))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{mod.README_START}\nold table\n{mod.README_END}\noutro\n")
+    assert mod.main(["--render", str(stored), "--update-readme", str(readme)]) == 0
+    back = json.loads(stored.read_text())
+    learned = next(t for t in back["targets"] if t["target"].startswith("learned placement vs greedy"))
+    assert learned["figures"].startswith("1.100 (95% interval over clusters") and learned["ok"] is True
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "| learned placement vs greedy Relocator, mean over the 2 test scenarios" in text
+    with pytest.raises(SystemExit, match="--render: no results file"):
+        mod.main(["--render", str(tmp_path / "missing.json")])
+    (tmp_path / "other.json").write_text(json.dumps({"scenarios": []}))
+    with pytest.raises(SystemExit, match="not a results file of this benchmark"):
+        mod.main(["--render", str(tmp_path / "other.json")])
 
 
 def test_the_scheduler_benchmark_measures_auto_and_dqn_re_planning_within_epochs():
