@@ -9,7 +9,7 @@ Targets (each verdict is computed from the figures, never written by hand):
   no relocation, averaged over the test scenarios with co-runner churn and free slots; never < 0.99x of no
   relocation on any of them. These are measured over the first ``--placement-count`` (200) test seeds, more than
   the other rows' ``--test-count`` (20): a mean over the 17 clusters with churn and slots among the first 20 moved
-  by 2-3% with which clusters were drawn, and the means over the first and the next 100 seeds (77 and 82
+  by 2-3% with which clusters were drawn, and the means over the first and the next 100 seeds (77 and 83
   clusters) differed by 0.8%, so the extra clusters run the placement policies alone;
 - ``dqn`` (exact split on NCF-corrected lines with the learned relocation) >= 0.97x the best analytic allocator
   on every scenario;
