@@ -19,7 +19,9 @@ Targets (each verdict is computed from the figures, never written by hand):
 
 The ``auto`` and ``dqn`` floors are also measured on clusters of a family nothing was trained or chosen on
 (``--unseen-family``, default ``"shifted"``: other device kinds, CPU-like ones among them, another interference
-table; its test split's first ``--unseen-count`` (20) seeds), against the best analytic allocator there.
+table; its test split's first ``--unseen-count`` (20) seeds), against the best analytic allocator there; and the
+placement targets (the Q-network's and the critic's relocators) on its clusters with churn and free slots among
+the first ``--unseen-placement-count`` (60) seeds.
 
 The ``auto`` and ``dqn`` rows are measured twice: re-planning at epoch ends only, and re-planning every
 ``--replan-every`` steps within epochs as well (default 5, the integrations' ``BalancingOptions.replan_every``
@@ -204,14 +206,14 @@ def placement_ratios(mean: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def run_placement(spec: dict[str, Any], comp: Components, seeds: list[int]) -> dict[str, Any]:
-    """A test scenario with churn and free slots beyond ``--test-count``: the relocation policies only, each beside
-    ``equal_finish`` (as in :func:`run_scenario`)."""
+def run_placement(spec: dict[str, Any], comp: Components, seeds: list[int], split: str = "test") -> dict[str, Any]:
+    """A test scenario with churn and free slots beyond ``--test-count`` (or of the unseen family: ``split`` names
+    it): the relocation policies only, each beside ``equal_finish`` (as in :func:`run_scenario`)."""
     sc = load_scenario(spec)
     pols = policies(comp, {"auto": [], "guard": []})
     rows = evaluate([sc], {k: pols[k] for k in RELOCATIONS}, seeds)
     mean = {r["policy"]: r["steady_samples_per_s"] for r in rows}
-    return {"scenario": sc.name, "split": "test", "world_size": sc.world_size, "samples_per_s": mean,
+    return {"scenario": sc.name, "split": split, "world_size": sc.world_size, "samples_per_s": mean,
             "per_seed": {r["policy"]: r["per_seed"] for r in rows}, **placement_ratios(mean)}
 
 
@@ -258,7 +260,7 @@ def _job(job: tuple[str, tuple[Any, ...]]) -> dict[str, Any]:
         if kind == "scenario":
             row = run_scenario(a[0], _WORKER["comp"], a[1], a[2], a[3])
         elif kind == "placement":
-            row = run_placement(a[0], _WORKER["comp"], a[1])
+            row = run_placement(a[0], _WORKER["comp"], *a[1:])
         else:
             row = run_unseen(a[0], _WORKER["comp"], a[1], a[2], a[3])
     row["run_seconds"] = round(time.perf_counter() - t0, 1)  # its own run time, not its wait in the queue
@@ -399,6 +401,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                             "figures": f"{pg:.3f} / {pn:.3f} / {plo:.3f} (vs greedy: "
                                        f"{_interval([r[f'{pol}_vs_greedy'] for r in churn])})",
                             "ok": pg >= 1.05 and pn >= 1.10 and plo >= 0.99})
+    out += unseen_placement_targets(res)
     ncf = res["ncf_leave_pairs_out"]
     e, b = ncf["ncf_mean_rel_error"], ncf["additive_mean_rel_error"]
     out.append({"target": f"NCF leave-pairs-out mean relative error ({ncf.get('pairs_count')} pairs, "
@@ -420,6 +423,26 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out.append({"target": f"auto decision time, {lat['world_size']} ranks, one core (median ms)", "goal": "<= 10",
                 "figures": ", ".join(f"{a} {lat[a]['median_ms']:.2f}" for a in ("equal_finish", "dqn", "auto")),
                 "ok": lat["auto"]["median_ms"] <= 10})
+    return out
+
+
+def unseen_placement_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The placement targets once more on the unseen family's clusters with churn and free slots (the Q-network's
+    and the critic's relocators, each against greedy and no relocation), where that family was run."""
+    up = res.get("unseen_placement") or {}
+    rows = up.get("scenarios") or []
+    if not rows:
+        return []
+    out = []
+    for pol, what in (("learned", "learned placement (the Q-network)"),
+                      ("planned_critic", "learned model-based placement (the critic's)")):
+        g = [r[f"{pol}_vs_greedy"] for r in rows]
+        n = [r[f"{pol}_vs_none"] for r in rows]
+        out.append({"target": f"{what} vs greedy / vs none (mean / min), the {len(rows)} unseen {up['family']}-family "
+                              f"test scenarios with churn + slots among its first {up['count']} seeds",
+                    "goal": ">= 1.05 / >= 1.10, never < 0.99",
+                    "figures": f"{np.mean(g):.3f} / {np.mean(n):.3f} / {min(n):.3f} (vs greedy: {_interval(g)})",
+                    "ok": bool(np.mean(g) >= 1.05 and np.mean(n) >= 1.10 and min(n) >= 0.99)})
     return out
 
 
@@ -501,6 +524,15 @@ def table(res: dict[str, Any]) -> str:
         lines += [f"| {r['scenario']} | {r['world_size']} | {_fmt(r.get('learned_vs_none'))} | "
                   f"{_fmt(r.get('planned_vs_none'))} | {_fmt(r.get('planned_critic_vs_none'))} | "
                   f"{r['greedy_vs_none']:.3f} |" for r in extra]
+    up = res.get("unseen_placement") or {}
+    if up.get("scenarios"):
+        lines += ["", f"Placement on the unseen family: the {up['family']} family's test scenarios with churn and free "
+                      f"slots among its first {up['count']} seeds (each relocation policy beside `equal_finish`):", "",
+                  "| scenario | ranks | learned / none | planned / none | planned + critic / none | greedy / none |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['scenario']} | {r['world_size']} | {_fmt(r.get('learned_vs_none'))} | "
+                  f"{_fmt(r.get('planned_vs_none'))} | {_fmt(r.get('planned_critic_vs_none'))} | "
+                  f"{r['greedy_vs_none']:.3f} |" for r in up["scenarios"]]
     lines += transfer_curves(res["transfer"])
     lines.append(f"\nMachine: {res['machine']['processor']}, python {res['machine']['python']}; bench "
                  f"{res['bench_seconds']:.0f} s. Command: `{res['command']}`.")
@@ -571,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
                              "auto and dqn floors (default 'shifted'; 'none': skip)")
     parser.add_argument("--unseen-count", type=int, default=None,
                         help="its test-split scenarios (default 20; --quick: 2)")
+    parser.add_argument("--unseen-placement-count", type=int, default=None,
+                        help="the unseen family's test seeds whose clusters with churn and free slots run the "
+                             "relocation policies alone, for the placement targets on that family (default 60; "
+                             "--quick: 0; 0 skips)")
     parser.add_argument("--skip-transfer", action="store_true", help="leave the transfer curves out (the slowest part)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="worker processes for the scenarios (default 1); the decision time is measured after "
@@ -604,6 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.unseen_family == "default":
         parser.error("--unseen-family 'default' is the family everything was trained and chosen on. HINT: use "
                      "'shifted', or 'none' to skip")
+    unseen_placement = args.unseen_placement_count if args.unseen_placement_count is not None else \
+        (0 if args.quick else 60)
+    if unseen_placement < 0:
+        parser.error(f"--unseen-placement-count must be >= 0, got {unseen_placement}. HINT: e.g. "
+                     "--unseen-placement-count 60, or 0 to skip")
     placement = args.placement_count if args.placement_count is not None else (count if args.quick else 200)
     if placement < count:
         parser.error(f"--placement-count must be >= --test-count ({count}), got {placement}. HINT: e.g. "
@@ -630,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.unseen_family != "none" and unseen_count else []
     label = f"unseen {args.unseen_family}-family test"
     jobs += [("unseen", (spec, seeds, label, every)) for spec in unseen]
+    unseen_extra = [s for s in family_scenarios("test", unseen_placement, family=args.unseen_family)
+                    if has_churn_and_slots(s)] if args.unseen_family != "none" and unseen_placement else []
+    jobs += [("placement", (spec, seeds, label)) for spec in unseen_extra]
     with _single_thread(), _runner(args.jobs) as run:
         rows = run(jobs)
         for split, spec in sets:
@@ -659,6 +703,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['vs_best_analytic']['auto']:.3f}, dqn {row['vs_best_analytic']['dqn']:.3f}"
                       + ("" if rv is None else f", re-planned auto {rv['auto']:.3f}, dqn {rv['dqn']:.3f}")
                       + f" [{row['run_seconds']:.0f} s]", flush=True)
+        if unseen_extra:
+            res["unseen_placement"] = {"family": args.unseen_family, "count": unseen_placement, "scenarios": []}
+            for k, spec in enumerate(unseen_extra):
+                row = next(rows)
+                res["unseen_placement"]["scenarios"].append(row)
+                print(f"placement ({label}) {k + 1}/{len(unseen_extra)} {row['scenario']}: critic/none "
+                      f"{row['planned_critic_vs_none']:.3f}, learned/none {row['learned_vs_none']:.3f}, greedy/none "
+                      f"{row['greedy_vs_none']:.3f} [{row['run_seconds']:.0f} s]", flush=True)
     res["latency_1024_ranks"] = decision_latency(comp)
     res["ncf_leave_pairs_out"] = ncf_leave_pairs_out(args.quick)
     res["transfer"] = {"skipped": "not run (--skip-transfer)"} if args.skip_transfer else transfer_result(args.quick)
@@ -672,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
         (f" --replan-every {args.replan_every}" if args.replan_every != DEFAULT_REPLAN else "") + \
         (f" --unseen-family {args.unseen_family}" if args.unseen_family != "shifted" else "") + \
         (f" --unseen-count {args.unseen_count}" if args.unseen_count is not None else "") + \
+        (f" --unseen-placement-count {args.unseen_placement_count}" if args.unseen_placement_count is not None
+         else "") + \
         (" --skip-transfer" if args.skip_transfer else "") + (" --table TABLE" if args.table else "")
     if res["command"] == "python benchmarks/scheduler_bench.py":
         res["command"] = "make bench-scheduler"

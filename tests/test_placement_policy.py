@@ -444,6 +444,43 @@ def test_the_scheduler_benchmark_measures_the_floors_on_a_family_nothing_was_tra
         mod.main(["--unseen-family", "default"])
 
 
+def test_the_scheduler_benchmark_measures_placement_on_the_unseen_family_too():
+    """``benchmarks/scheduler_bench.py``: the unseen family's clusters with churn and free slots run the relocation
+    policies alone, labelled with that family; the Q-network's and the critic's placement get targets of their own
+    there (kept out of the default family's means) and a table of their own; a negative count is refused."""
+    from hetero_plugins.scheduler.sim.family import family_scenarios, has_churn_and_slots
+
+    mod = _benchmark("scheduler_bench")
+    label = "unseen shifted-family test"
+    cluster = min((s for s in family_scenarios("test", 12, family="shifted") if has_churn_and_slots(s)),
+                  key=lambda s: len(s["ranks"]))
+    row = mod.run_placement(cluster, mod.Components(), [0], label)
+    assert row["split"] == label and set(row["samples_per_s"]) == set(mod.RELOCATIONS)
+    assert row["planned_critic_vs_greedy"] == pytest.approx(row["samples_per_s"]["planned_critic"]
+                                                            / row["samples_per_s"]["greedy"])
+    low = dict(row, scenario="low", planned_critic_vs_none=0.95, planned_critic_vs_greedy=1.2)
+    res = {"scenarios": [], "placement_scenarios": [], "placement_count": 0, "seeds": [0],
+           "unseen_placement": {"family": "shifted", "count": 12, "scenarios": [row, low]},
+           "ncf_leave_pairs_out": {"ncf_mean_rel_error": 0.05, "additive_mean_rel_error": 0.2},
+           "transfer": {"skipped": "test"}, "scenario_note": "test", "ncf_source": "test",
+           "machine": {"processor": "x", "python": "3"}, "bench_seconds": 1.0, "command": "test",
+           "latency_1024_ranks": {"world_size": 1024,
+                                  **{a: {"median_ms": 1.0} for a in ("equal_finish", "dqn", "auto")}}}
+    res["targets"] = mod.targets(res)
+    rows = [t for t in res["targets"] if "unseen shifted-family" in t["target"]]
+    assert [t["target"].split(" vs ")[0] for t in rows] == ["learned placement (the Q-network)",
+                                                            "learned model-based placement (the critic's)"]
+    critic = rows[1]
+    assert "the 2 unseen shifted-family test scenarios with churn + slots among its first 12 seeds" in critic["target"]
+    mean = (row["planned_critic_vs_greedy"] + 1.2) / 2
+    assert critic["figures"].startswith(f"{mean:.3f} / ") and " / 0.950 (vs greedy: 95% interval" in critic["figures"]
+    assert critic["ok"] is False  # 0.95 below 0.99 of no relocation
+    assert not any(t["target"].startswith("learned placement vs greedy Relocator") for t in res["targets"])
+    assert f"| {cluster['name']} | {len(cluster['ranks'])} | " in mod.table(res)
+    with pytest.raises(SystemExit):
+        mod.main(["--unseen-placement-count", "-1"])
+
+
 def test_adapt_asks_later_moves_to_beat_the_shortfall_of_the_last():
     """adapt: after a move, the gain the fitted lines show over the places left is compared with the gain the move
     was priced at; the shortfall (smoothed, never below 0) is taken off every later candidate's value over
