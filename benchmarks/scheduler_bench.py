@@ -393,14 +393,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                           ("planned_critic", "learned model-based placement (the rollouts' values corrected by the "
                                              "critic trained on realised returns)")):
             if all(f"{pol}_vs_greedy" in r for r in churn):
-                pg = float(np.mean([r[f"{pol}_vs_greedy"] for r in churn]))
-                pn = float(np.mean([r[f"{pol}_vs_none"] for r in churn]))
-                plo = min(r[f"{pol}_vs_none"] for r in churn)
-                out.append({"target": f"{what} vs greedy / vs none (mean / min), same scenarios",
-                            "goal": ">= 1.05 / >= 1.10, never < 0.99",
-                            "figures": f"{pg:.3f} / {pn:.3f} / {plo:.3f} (vs greedy: "
-                                       f"{_interval([r[f'{pol}_vs_greedy'] for r in churn])})",
-                            "ok": pg >= 1.05 and pn >= 1.10 and plo >= 0.99})
+                out.append(placement_target(churn, pol, f"{what} vs greedy / vs none (mean / min), same scenarios"))
     out += unseen_placement_targets(res)
     ncf = res["ncf_leave_pairs_out"]
     e, b = ncf["ncf_mean_rel_error"], ncf["additive_mean_rel_error"]
@@ -426,6 +419,17 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def placement_target(rows: list[dict[str, Any]], pol: str, target: str) -> dict[str, Any]:
+    """One relocation policy's placement target over ``rows``: mean against greedy, mean and worst against no
+    relocation (goals 1.05, 1.10 and 0.99), with the interval of the first."""
+    g = [r[f"{pol}_vs_greedy"] for r in rows]
+    n = [r[f"{pol}_vs_none"] for r in rows]
+    pg, pn, plo = float(np.mean(g)), float(np.mean(n)), min(n)
+    return {"target": target, "goal": ">= 1.05 / >= 1.10, never < 0.99",
+            "figures": f"{pg:.3f} / {pn:.3f} / {plo:.3f} (vs greedy: {_interval(g)})",
+            "ok": pg >= 1.05 and pn >= 1.10 and plo >= 0.99}
+
+
 def unseen_placement_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The placement targets once more on the unseen family's clusters with churn and free slots (the Q-network's
     and the critic's relocators, each against greedy and no relocation), where that family was run."""
@@ -433,17 +437,11 @@ def unseen_placement_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows = up.get("scenarios") or []
     if not rows:
         return []
-    out = []
-    for pol, what in (("learned", "learned placement (the Q-network)"),
-                      ("planned_critic", "learned model-based placement (the critic's)")):
-        g = [r[f"{pol}_vs_greedy"] for r in rows]
-        n = [r[f"{pol}_vs_none"] for r in rows]
-        out.append({"target": f"{what} vs greedy / vs none (mean / min), the {len(rows)} unseen {up['family']}-family "
-                              f"test scenarios with churn + slots among its first {up['count']} seeds",
-                    "goal": ">= 1.05 / >= 1.10, never < 0.99",
-                    "figures": f"{np.mean(g):.3f} / {np.mean(n):.3f} / {min(n):.3f} (vs greedy: {_interval(g)})",
-                    "ok": bool(np.mean(g) >= 1.05 and np.mean(n) >= 1.10 and min(n) >= 0.99)})
-    return out
+    return [placement_target(rows, pol, f"{what} vs greedy / vs none (mean / min), the {len(rows)} unseen "
+                                        f"{up['family']}-family test scenarios with churn + slots among its first "
+                                        f"{up['count']} seeds")
+            for pol, what in (("learned", "learned placement (the Q-network)"),
+                              ("planned_critic", "learned model-based placement (the critic's)"))]
 
 
 def targets_table(res: dict[str, Any]) -> list[str]:
@@ -471,6 +469,16 @@ def transfer_curves(tr: dict[str, Any]) -> list[str]:
            "|---|---|---|---|---|"]
     out += [f"| {e} | {cell(ft, k)} | {cell(sc, k)} |" for k, e in enumerate(ft["episodes"])]
     return out
+
+
+def placement_table(rows: list[dict[str, Any]], title: str) -> list[str]:
+    """The Markdown lines of a table of placement-only rows (each relocation policy against no relocation)."""
+    return ["", f"{title} (each relocation policy beside `equal_finish`):", "",
+            "| scenario | ranks | learned / none | planned / none | planned + critic / none | greedy / none |",
+            "|---|---|---|---|---|---|",
+            *(f"| {r['scenario']} | {r['world_size']} | {_fmt(r.get('learned_vs_none'))} | "
+              f"{_fmt(r.get('planned_vs_none'))} | {_fmt(r.get('planned_critic_vs_none'))} | "
+              f"{r['greedy_vs_none']:.3f} |" for r in rows)]
 
 
 def table(res: dict[str, Any]) -> str:
@@ -517,22 +525,13 @@ def table(res: dict[str, Any]) -> str:
                                                 f"{rp['vs_best_analytic']['dqn']:.3f} |"))
     extra = res.get("placement_scenarios", [])
     if extra:
-        lines += ["", f"Placement only: the test split's other scenarios with churn and free slots among its first "
-                      f"{res['placement_count']} seeds (each relocation policy beside `equal_finish`):", "",
-                  "| scenario | ranks | learned / none | planned / none | planned + critic / none | greedy / none |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['scenario']} | {r['world_size']} | {_fmt(r.get('learned_vs_none'))} | "
-                  f"{_fmt(r.get('planned_vs_none'))} | {_fmt(r.get('planned_critic_vs_none'))} | "
-                  f"{r['greedy_vs_none']:.3f} |" for r in extra]
+        lines += placement_table(extra, f"Placement only: the test split's other scenarios with churn and free slots "
+                                        f"among its first {res['placement_count']} seeds")
     up = res.get("unseen_placement") or {}
     if up.get("scenarios"):
-        lines += ["", f"Placement on the unseen family: the {up['family']} family's test scenarios with churn and free "
-                      f"slots among its first {up['count']} seeds (each relocation policy beside `equal_finish`):", "",
-                  "| scenario | ranks | learned / none | planned / none | planned + critic / none | greedy / none |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['scenario']} | {r['world_size']} | {_fmt(r.get('learned_vs_none'))} | "
-                  f"{_fmt(r.get('planned_vs_none'))} | {_fmt(r.get('planned_critic_vs_none'))} | "
-                  f"{r['greedy_vs_none']:.3f} |" for r in up["scenarios"]]
+        lines += placement_table(up["scenarios"], f"Placement on the unseen family: the {up['family']} family's test "
+                                                  f"scenarios with churn and free slots among its first {up['count']} "
+                                                  "seeds")
     lines += transfer_curves(res["transfer"])
     lines.append(f"\nMachine: {res['machine']['processor']}, python {res['machine']['python']}; bench "
                  f"{res['bench_seconds']:.0f} s. Command: `{res['command']}`.")
@@ -570,6 +569,13 @@ def render(path: Path, docs: str | None = None, readme: str | None = None) -> in
         raise SystemExit(f"--render: {str(path)!r} lacks {missing}; it is not a results file of this benchmark. "
                          "HINT: pass the JSON `make bench-scheduler` wrote (bench_output/scheduler.json)")
     res["targets"] = targets(res)
+    write_results(res, path, docs, readme)
+    return 0
+
+
+def write_results(res: dict[str, Any], path: Path, docs: str | None = None, readme: str | None = None) -> None:
+    """Write ``res`` to ``path`` as JSON, print its tables, and rewrite the docs' and README's tables where asked."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2, default=float))
     text = table(res)
     print(text)
@@ -577,7 +583,6 @@ def render(path: Path, docs: str | None = None, readme: str | None = None) -> in
         update_docs(Path(docs), text)
     if readme:
         update_docs(Path(readme), summary(res), README_START, README_END)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -730,14 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     if res["command"] == "python benchmarks/scheduler_bench.py":
         res["command"] = "make bench-scheduler"
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2, default=float))
-    text = table(res)
-    print(text)
-    if args.update_docs:
-        update_docs(Path(args.update_docs), text)
-    if args.update_readme:
-        update_docs(Path(args.update_readme), summary(res), README_START, README_END)
+    write_results(res, path, args.update_docs, args.update_readme)
     print(f"\nwritten {path} in {res['bench_seconds']:.0f} s")
     return 0
 
