@@ -317,6 +317,12 @@ def ncf_leave_pairs_out(quick: bool) -> dict[str, Any]:
     return {k: v for k, v in res.items() if k != "pairs"}
 
 
+def stage(t0: float, what: str) -> None:
+    """One line on standard output as a stage without per-cluster lines starts (bars are drawn on terminals only,
+    so a log would otherwise fall silent for the transfer's 25 minutes)."""
+    print(f"[{time.perf_counter() - t0:.0f} s] {what}...", flush=True)
+
+
 def transfer_result(quick: bool) -> dict[str, Any]:
     if quick:
         return {"skipped": "not run with --quick"}
@@ -716,8 +722,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"placement ({label}) {k + 1}/{len(unseen_extra)} {row['scenario']}: critic/none "
                       f"{row['planned_critic_vs_none']:.3f}, learned/none {row['learned_vs_none']:.3f}, greedy/none "
                       f"{row['greedy_vs_none']:.3f} [{row['run_seconds']:.0f} s]", flush=True)
+    stage(t0, "decision time at 1024 ranks")
     res["latency_1024_ranks"] = decision_latency(comp)
+    stage(t0, "NCF leave-pairs-out")
     res["ncf_leave_pairs_out"] = ncf_leave_pairs_out(args.quick)
+    if not (args.skip_transfer or args.quick):
+        stage(t0, "transfer of the placement network (5 seeds, about 25 minutes on 2 cores)")
     res["transfer"] = {"skipped": "not run (--skip-transfer)"} if args.skip_transfer else transfer_result(args.quick)
     res["targets"] = targets(res)
     res["machine"] = {"python": platform.python_version(), "processor": platform.processor() or platform.machine()}
