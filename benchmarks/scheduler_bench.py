@@ -387,14 +387,9 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                     "goal": ">= 1.05 / >= 1.10, never < 0.99", "figures": "no test scenario with churn and free slots",
                     "ok": None})
     else:
-        g = float(np.mean([r["learned_vs_greedy"] for r in churn]))
-        nn = float(np.mean([r["learned_vs_none"] for r in churn]))
-        lo = min(r["learned_vs_none"] for r in churn)
-        out.append({"target": f"learned placement vs greedy Relocator, mean over the {len(churn)} test scenarios with "
-                              f"churn + slots among the first {first} seeds", "goal": ">= 1.05",
-                    "figures": f"{g:.3f} ({_interval([r['learned_vs_greedy'] for r in churn])})", "ok": g >= 1.05})
-        out.append({"target": "learned placement vs no relocation, same scenarios (mean / min)",
-                    "goal": ">= 1.10 / >= 0.99", "figures": f"{nn:.3f} / {lo:.3f}", "ok": nn >= 1.10 and lo >= 0.99})
+        out.append(placement_target(churn, "learned", f"learned placement (the Q-network) vs greedy / vs none (mean / "
+                                                      f"min), the {len(churn)} test scenarios with churn + slots "
+                                                      f"among the first {first} seeds"))
         for pol, what in (("planned", "model-based placement (PlanningRelocator: planner rollouts on its own fitted "
                                       "model)"),
                           ("planned_critic", "learned model-based placement (the rollouts' values corrected by the "

@@ -313,11 +313,13 @@ def test_the_scheduler_benchmark_averages_placement_over_its_placement_only_clus
            "latency_1024_ranks": {"world_size": 1024,
                                   **{a: {"median_ms": 1.0} for a in ("equal_finish", "dqn", "auto")}}}
     rows = {t["target"].split(",")[0]: t for t in mod.targets(res)}
-    learned = next(t for k, t in rows.items() if k.startswith("learned placement vs greedy"))
+    learned = next(t for k, t in rows.items() if k.startswith("learned placement (the Q-network) vs greedy"))
     assert "the 2 test scenarios with churn + slots among the first 8 seeds" in learned["target"]
     assert float(learned["figures"].split()[0]) == pytest.approx((1.2 + row["learned_vs_greedy"]) / 2, abs=1e-3)
+    worst = min(1.2, row["learned_vs_none"])
+    assert learned["figures"].split(" / ")[2].startswith(f"{worst:.3f} ")  # the worst against no relocation
     lo, hi = mod.mean_interval([1.2, row["learned_vs_greedy"]])
-    assert f"95% interval over clusters {lo:.3f}-{hi:.3f}" in learned["figures"]
+    assert f"vs greedy: 95% interval over clusters {lo:.3f}-{hi:.3f}" in learned["figures"]
     with pytest.raises(SystemExit):
         mod.main(["--test-count", "5", "--placement-count", "2"])
 
@@ -358,11 +360,12 @@ def test_the_scheduler_benchmark_gives_the_placement_means_an_interval_and_re_re
     readme.write_text(f"intro\n{mod.README_START}\nold table\n{mod.README_END}\noutro\n")
     assert mod.main(["--render", str(stored), "--update-readme", str(readme)]) == 0
     back = json.loads(stored.read_text())
-    learned = next(t for t in back["targets"] if t["target"].startswith("learned placement vs greedy"))
-    assert learned["figures"].startswith("1.100 (95% interval over clusters") and learned["ok"] is True
+    learned = next(t for t in back["targets"] if t["target"].startswith("learned placement (the Q-network) vs greedy"))
+    assert learned["figures"].startswith("1.100 / 1.100 / 1.000 (vs greedy: 95% interval over clusters")
+    assert learned["ok"] is True  # 1.10 >= 1.05 over greedy, 1.10 >= 1.10 and worst 1.00 >= 0.99 against none
     text = readme.read_text()
     assert "old table" not in text and text.startswith("intro\n") and text.endswith("outro\n")
-    assert "| learned placement vs greedy Relocator, mean over the 2 test scenarios" in text
+    assert "| learned placement (the Q-network) vs greedy / vs none (mean / min), the 2 test scenarios" in text
     with pytest.raises(SystemExit, match="--render: no results file"):
         mod.main(["--render", str(tmp_path / "missing.json")])
     (tmp_path / "other.json").write_text(json.dumps({"scenarios": []}))
@@ -475,7 +478,8 @@ def test_the_scheduler_benchmark_measures_placement_on_the_unseen_family_too():
     mean = (row["planned_critic_vs_greedy"] + 1.2) / 2
     assert critic["figures"].startswith(f"{mean:.3f} / ") and " / 0.950 (vs greedy: 95% interval" in critic["figures"]
     assert critic["ok"] is False  # 0.95 below 0.99 of no relocation
-    assert not any(t["target"].startswith("learned placement vs greedy Relocator") for t in res["targets"])
+    default = next(t for t in res["targets"] if t["target"].startswith("learned placement vs greedy / vs none"))
+    assert default["figures"] == "no test scenario with churn and free slots"  # the unseen rows are not counted
     assert f"| {cluster['name']} | {len(cluster['ranks'])} | " in mod.table(res)
     with pytest.raises(SystemExit):
         mod.main(["--unseen-placement-count", "-1"])
