@@ -383,7 +383,8 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     churn = placement_rows(res)
     first = res.get("placement_count", sum(r["split"] == "test" for r in rows))
     if not churn:
-        out.append({"target": "learned placement vs greedy / vs none (test, churn + slots)",
+        out.append({"target": "learned placement (the Q-network) vs greedy / vs none (mean / min), test "
+                              "scenarios with churn + slots",
                     "goal": ">= 1.05 / >= 1.10, never < 0.99", "figures": "no test scenario with churn and free slots",
                     "ok": None})
     else:

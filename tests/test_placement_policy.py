@@ -478,7 +478,8 @@ def test_the_scheduler_benchmark_measures_placement_on_the_unseen_family_too():
     mean = (row["planned_critic_vs_greedy"] + 1.2) / 2
     assert critic["figures"].startswith(f"{mean:.3f} / ") and " / 0.950 (vs greedy: 95% interval" in critic["figures"]
     assert critic["ok"] is False  # 0.95 below 0.99 of no relocation
-    default = next(t for t in res["targets"] if t["target"].startswith("learned placement vs greedy / vs none"))
+    default = next(t for t in res["targets"] if t["target"].startswith("learned placement (the Q-network) vs greedy")
+                   and "unseen" not in t["target"])
     assert default["figures"] == "no test scenario with churn and free slots"  # the unseen rows are not counted
     assert f"| {cluster['name']} | {len(cluster['ranks'])} | " in mod.table(res)
     with pytest.raises(SystemExit):
