@@ -222,6 +222,55 @@ def test_a_branch_can_draw_its_own_noise_or_forget_the_future():
             run2.epoch(e)
 
 
+def test_a_branch_can_let_a_relocator_keep_deciding():
+    """``branch(continuation=relocator)`` lets a copy of that relocator decide at the fork's later boundaries: a
+    relocator that moves one epoch later gives exactly the run in which that move was made one epoch later (the
+    same noise); one that never moves gives the frozen fork; the relocator passed is never called itself."""
+    from hetero_plugins.scheduler.relocation import Relocation
+    from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
+    from hetero_plugins.scheduler.sim.loop import SimulationRun
+
+    sc = load_scenario(BUILTIN_SCENARIOS["interference"])
+
+    class MoveAt:
+        """Moves rank 0 to the first free slot at the boundary after epoch ``epoch``, else stays."""
+        observes_places = True
+
+        def __init__(self, epoch):
+            self.epoch, self.calls = epoch, 0
+
+        def propose(self, **kw):
+            self.calls += 1
+            n = len(kw["devices"])
+            moves = [0] + [None] * (n - 1) if kw["epoch"] == self.epoch else [None] * n
+            return Relocation(moves, list(kw["lines"]), 1.0, 1.0)
+
+    first, seen = 1, {}
+    later = simulate(sc, "equal_finish", seed=3, relocation=MoveAt(first + 1))
+    assert [m["epoch"] for m in later["relocations"]] == [first + 2]
+
+    class Probe:
+        observes_places = True
+
+        def propose(self, **kw):
+            if kw["epoch"] == first:
+                follow, never = MoveAt(first + 1), MoveAt(-1)
+                seen["follow"] = run.branch_epochs(None, 3, continuation=follow)
+                seen["never"] = run.branch_epochs(None, 3, continuation=never)
+                seen["frozen"] = run.branch_epochs(None, 3)
+                seen["calls"] = (follow.calls, never.calls)
+                with pytest.raises(ValueError, match="continuation"):
+                    run.branch_epochs(None, 3, continuation="greedy")
+            return Relocation([None] * len(kw["devices"]), list(kw["lines"]), 1.0, 1.0)
+
+    run = SimulationRun(ClusterSim(sc, seed=3), "equal_finish", None, 0.03, True, Probe())
+    for e in range(run.epochs):
+        run.epoch(e)
+    assert seen["follow"] == pytest.approx(later["epoch_times"][first + 1:first + 4], rel=1e-12)
+    assert seen["never"] == seen["frozen"] and seen["follow"] != seen["frozen"]
+    assert seen["calls"] == (0, 0)  # the forks decided with copies
+
+
 def test_rollout_returns_are_realised_savings():
     """A pre-training episode's returns read from forked runs: one per candidate met, finite, and in epochs of
     the staying fork (a move pays its restart, so no return exceeds the epochs rolled out)."""

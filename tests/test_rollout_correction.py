@@ -145,6 +145,34 @@ def test_realised_returns_and_pretraining(tmp_path):
         pretrain_critic(workers=0)
 
 
+def test_on_policy_returns_and_a_start_critic(tmp_path):
+    """``continuation="policy"``: the same states, returns read with the relocator deciding on in the forks; with
+    a policy that never moves they are the frozen forks' returns exactly. ``start``: the first round runs that
+    critic's relocator, and the statistics name it."""
+    from hetero_plugins.scheduler.placement_training import collect_rollout_returns, pretrain_critic
+
+    spec = BUILTIN_SCENARIOS["interference"]
+    stay = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3)
+    policy = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3, continuation="policy")
+    assert np.array_equal(stay[0], policy[0]) and not np.allclose(stay[1], policy[1], rtol=0, atol=1e-6)
+    never = _linear({}, bias=-1.0)  # values every move at -1 epoch: its relocator stays unless exploring
+    frozen = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3, critic=never)
+    follows = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3, critic=never,
+                                      continuation="policy")
+    assert len(frozen[1]) > 0 and np.array_equal(frozen[0], follows[0])
+    np.testing.assert_allclose(follows[1], frozen[1], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="continuation"):
+        collect_rollout_returns([spec], continuation="greedy")
+    path = never.save(tmp_path / "never.npz")
+    _, stats = pretrain_critic(train_count=1, seeds=(0,), rounds=1, members=2, steps=50, forks=1, start=str(path),
+                               horizon=3, explore=0.3, continuation="policy", scenarios=lambda split, n, fam: [spec])
+    direct = follows
+    assert stats["rows"] == len(direct[1]) and stats["continuation"] == "policy"
+    assert isinstance(stats["start"], str) and len(stats["start"]) == 16
+    with pytest.raises(ValueError, match="continuation"):
+        pretrain_critic(continuation="frozen")
+
+
 def test_the_pretrain_critic_command_checks_its_options(capsys):
     from hetero_plugins.cli import main
 
@@ -156,6 +184,8 @@ def test_the_pretrain_critic_command_checks_its_options(capsys):
     assert "`--tail` must be in [0, 1], got 1.5" in capsys.readouterr().err
     assert main(["pretrain-critic", "--explore", "2"]) == 2
     assert "`--explore` must be in [0, 1]" in capsys.readouterr().err
+    assert main(["pretrain-critic", "--start-critic", "no-such-critic.npz", "--out", "unused.npz"]) == 2
+    assert "no-such-critic.npz" in capsys.readouterr().err
 
 
 def test_the_module_examples_run():

@@ -399,6 +399,12 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
                         "critic: 3)")
     parser.add_argument("--tail", type=float, default=0.0, help="count the last fork epoch's saving for every "
                         "epoch left after the horizon, discounted by this per epoch (0: off)")
+    parser.add_argument("--continuation", choices=("stay", "policy"), default="stay",
+                        help="who moves in the forks after the boundary: nobody (stay, the shipped critic's) or "
+                        "the relocator being run (policy: on-policy returns, about 3x the time per fork)")
+    parser.add_argument("--start-critic", default=None, metavar="FILE",
+                        help="critic whose relocator runs the first round ('shipped' or a model file; default: "
+                        "the plain planning relocator)")
     parser.add_argument("--members", type=int, default=5, help="networks in the ensemble")
     parser.add_argument("--fit-steps", type=int, default=3000, help="gradient steps per member")
     parser.add_argument("--workers", type=int, default=1, help="processes collecting the returns (same result)")
@@ -422,7 +428,7 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     return _train_and_report(args.out, lambda: pretrain_critic(
         out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
         explore=args.explore, horizon=args.horizon, forks=args.forks, tail=args.tail,
-        members=args.members, steps=args.fit_steps,
+        members=args.members, steps=args.fit_steps, continuation=args.continuation, start=args.start_critic,
         seed=args.seed, workers=args.workers, resume=not args.no_resume)[1])
 
 

@@ -322,11 +322,12 @@ class SimulationRun:
         return float(sum(self.branch_epochs(decision, horizon, seed, known_future, believed)))
 
     def branch_epochs(self, decision: Any, horizon: int, seed: int | None = None, known_future: bool = True,
-                      believed: tuple[Sequence[float], Sequence[float]] | None = None) -> list[float]:
+                      believed: tuple[Sequence[float], Sequence[float]] | None = None,
+                      continuation: Any = None) -> list[float]:
         """Seconds each of the next ``horizon`` epochs takes (restart cost included) if ``decision`` (a
         :class:`~hetero_plugins.scheduler.relocation.Relocation`, ``None``: stay) is applied at the boundary being
-        decided and nobody moves after: a forked copy of the run, this run untouched. Only while a relocator
-        decides (placement pre-training reads realised returns from it).
+        decided and nobody moves after (or ``continuation`` decides after): a forked copy of the run, this run
+        untouched. Only while a relocator decides (placement pre-training reads realised returns from it).
 
         Args:
             decision: the relocation applied in the fork (``None``: stay).
@@ -340,7 +341,15 @@ class SimulationRun:
                 belief about the cluster, e.g. a scheduler's fitted lines and NCF-priced slots: the fork's steps
                 take these linear times for every epoch it plays instead of the true curves (data times and noise
                 stay the cluster's), so a choice can be judged on what the scheduler knows.
+            continuation: a relocator that decides at the fork's later boundaries (a deep copy of it per fork, so
+                every fork starts it in the same state; ``None``: nobody moves after). The return is then the
+                decision's value under the policy that follows it: a move that takes the slot a better move would
+                need a boundary later is charged for that, and a move the policy would make one epoch later anyway
+                is worth one epoch of it.
         """
+        if continuation is not None and not hasattr(continuation, "propose"):
+            raise ValueError(f"`continuation`={continuation!r} is not a relocator. HINT: pass a relocator (a copy of "
+                             "the one deciding, say) or None (nobody moves in the fork).")
         if self.boundary is None:
             raise RuntimeError("branch() is only available while a relocator decides (inside its propose call).")
         check_int("horizon", horizon, minimum=1, hint="e.g. 4")
@@ -362,6 +371,8 @@ class SimulationRun:
             fork.relocator = _Decided(decision)
             fork.relocate(e, *args)
             fork.relocator = None
+        if continuation is not None:
+            fork.relocator = copy.deepcopy(continuation)
         if believed is not None:
             a, b = (np.asarray(x, dtype=np.float64) for x in believed)
             if a.shape != (fork.sim.places,) or b.shape != (fork.sim.places,):
