@@ -105,7 +105,7 @@ def test_a_critic_that_repeats_the_rollout_value_changes_nothing():
 def test_realised_returns_and_pretraining(tmp_path):
     """Every candidate met gets a feature row and a realised return; the rollout values carry the returns' sign
     (they are the critic's main input); pre-training writes a critic the relocator loads."""
-    from hetero_plugins.scheduler.placement_training import collect_rollout_returns, pretrain_critic
+    from hetero_plugins.scheduler.critic_training import collect_rollout_returns, pretrain_critic
 
     spec = BUILTIN_SCENARIOS["interference"]
     x, y = collect_rollout_returns([spec], seeds=(0, 1), explore=0.3, horizon=3)
@@ -149,7 +149,7 @@ def test_on_policy_returns_and_a_start_critic(tmp_path):
     """``continuation="policy"``: the same states, returns read with the relocator deciding on in the forks; with
     a policy that never moves they are the frozen forks' returns exactly. ``start``: the first round runs that
     critic's relocator, and the statistics name it."""
-    from hetero_plugins.scheduler.placement_training import collect_rollout_returns, pretrain_critic
+    from hetero_plugins.scheduler.critic_training import collect_rollout_returns, pretrain_critic
 
     spec = BUILTIN_SCENARIOS["interference"]
     stay = collect_rollout_returns([spec], seeds=(0,), explore=0.3, horizon=3)

@@ -384,7 +384,7 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     """Train the planning relocator's critic (a learned correction of its rollout values) on the realised returns
     of the candidate moves met in closed-loop runs of a generated family's train split, and write the model file
     (an interrupted run resumes from its checkpoint <out>.ckpt.npz when rerun with the same settings)."""
-    from hetero_plugins.scheduler.placement_training import pretrain_critic
+    from hetero_plugins.scheduler.critic_training import pretrain_critic
 
     parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-critic", description=pretrain_critic_main.__doc__)
     parser.add_argument("--out", default="rollout_correction_v1.npz", help="model file to write")

@@ -326,8 +326,8 @@ class SimulationRun:
                       continuation: Any = None) -> list[float]:
         """Seconds each of the next ``horizon`` epochs takes (restart cost included) if ``decision`` (a
         :class:`~hetero_plugins.scheduler.relocation.Relocation`, ``None``: stay) is applied at the boundary being
-        decided and nobody moves after (or ``continuation`` decides after): a forked copy of the run, this run
-        untouched. Only while a relocator decides (placement pre-training reads realised returns from it).
+        decided and nobody moves after: a forked copy of the run, this run untouched. Only while a relocator
+        decides (placement pre-training reads realised returns from it).
 
         Args:
             decision: the relocation applied in the fork (``None``: stay).
@@ -341,15 +341,11 @@ class SimulationRun:
                 belief about the cluster, e.g. a scheduler's fitted lines and NCF-priced slots: the fork's steps
                 take these linear times for every epoch it plays instead of the true curves (data times and noise
                 stay the cluster's), so a choice can be judged on what the scheduler knows.
-            continuation: a relocator that decides at the fork's later boundaries (a deep copy of it per fork, so
-                every fork starts it in the same state; ``None``: nobody moves after). The return is then the
-                decision's value under the policy that follows it: a move that takes the slot a better move would
-                need a boundary later is charged for that, and a move the policy would make one epoch later anyway
-                is worth one epoch of it.
+            continuation: a relocator (copied per fork) that decides at the fork's later boundaries instead of
+                nobody: the decision's value under the policy that follows it.
         """
         if continuation is not None and not hasattr(continuation, "propose"):
-            raise ValueError(f"`continuation`={continuation!r} is not a relocator. HINT: pass a relocator (a copy of "
-                             "the one deciding, say) or None (nobody moves in the fork).")
+            raise ValueError(f"`continuation`={continuation!r} is not a relocator. HINT: pass one, or None.")
         if self.boundary is None:
             raise RuntimeError("branch() is only available while a relocator decides (inside its propose call).")
         check_int("horizon", horizon, minimum=1, hint="e.g. 4")
@@ -370,9 +366,7 @@ class SimulationRun:
         if decision is not None and decision.moves:
             fork.relocator = _Decided(decision)
             fork.relocate(e, *args)
-            fork.relocator = None
-        if continuation is not None:
-            fork.relocator = copy.deepcopy(continuation)
+        fork.relocator = copy.deepcopy(continuation)  # None: nobody moves in the fork
         if believed is not None:
             a, b = (np.asarray(x, dtype=np.float64) for x in believed)
             if a.shape != (fork.sim.places,) or b.shape != (fork.sim.places,):
@@ -388,17 +382,10 @@ class SimulationRun:
         sc, epoch_times = self.sc, self.epoch_times
         samples = sc.global_batch * sc.steps_per_epoch * self.epochs
         return {
-            "scenario": sc.name,
-            "allocator": getattr(self.alloc, "name", type(self.alloc).__name__),
-            "steady_samples_per_s": _steady(sc, epoch_times),
-            "world_size": sc.world_size,
-            "world_sizes": self.worlds,
-            "restarts": self.restarts,
-            "relocations": self.moves_log,
-            "placements": self.placements,
-            "epochs": self.epochs,
-            "epoch_times": epoch_times,
-            "total_time": float(sum(epoch_times)),
+            "scenario": sc.name, "allocator": getattr(self.alloc, "name", type(self.alloc).__name__),
+            "steady_samples_per_s": _steady(sc, epoch_times), "world_size": sc.world_size, "world_sizes": self.worlds,
+            "restarts": self.restarts, "relocations": self.moves_log, "placements": self.placements,
+            "epochs": self.epochs, "epoch_times": epoch_times, "total_time": float(sum(epoch_times)),
             "samples_per_s": samples / float(sum(epoch_times)),
             "straggler_level": self.levels,
             "busy_fraction": self.busy,
