@@ -86,9 +86,7 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
     check_float("explore", explore, minimum=0.0, maximum=1.0, hint="e.g. 0.2")
     check_int("forks", forks, minimum=1, hint="e.g. 1 (pairs of forks a return is averaged over)")
     check_float("tail", tail, minimum=0.0, maximum=1.0, hint="e.g. 0.0 (off) or 0.7")
-    if continuation not in CONTINUATIONS:
-        raise ValueError(f"`continuation`={continuation!r} is not one of {CONTINUATIONS}. HINT: \"stay\" (nobody "
-                         "moves in the forks after the boundary) or \"policy\" (the relocator keeps deciding there).")
+    _check_continuation(continuation)
     predictor = default_predictor() if predictor is None else predictor
     xs: list[np.ndarray] = []
     ys: list[float] = []
@@ -126,6 +124,13 @@ def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Seque
 
 #: Who moves in the forks a realised return is read from, after the boundary (:func:`collect_rollout_returns`).
 CONTINUATIONS = ("stay", "policy")
+
+
+def _check_continuation(continuation: str) -> None:
+    if continuation not in CONTINUATIONS:
+        raise ValueError(f"`continuation`={continuation!r} is not one of {CONTINUATIONS}. HINT: \"stay\" (nobody "
+                         "moves in the forks after the boundary; the shipped critic's) or \"policy\" (the relocator "
+                         "keeps deciding there).")
 
 
 def _policy_copy(relocator: Any) -> Any:
@@ -194,9 +199,7 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     check_int("workers", workers, minimum=1, hint="e.g. 2 (processes; at most the cores)")
     if not seeds:
         raise ValueError("`seeds` is empty. HINT: give at least one noise seed, e.g. seeds=(0, 1).")
-    if continuation not in CONTINUATIONS:
-        raise ValueError(f"`continuation`={continuation!r} is not one of {CONTINUATIONS}. HINT: \"stay\" (the "
-                         "shipped critic's) or \"policy\".")
+    _check_continuation(continuation)
     first = start if start is None or isinstance(start, RolloutCorrection) \
         else RolloutCorrection.load(None if start == "shipped" else start)
     get = scenarios or relocation_scenarios
