@@ -171,6 +171,17 @@ def test_on_policy_returns_and_a_start_critic(tmp_path):
     assert isinstance(stats["start"], str) and len(stats["start"]) == 16
     with pytest.raises(ValueError, match="continuation"):
         pretrain_critic(continuation="frozen")
+    # a checkpoint of on-policy returns is not resumed by a run that leaves continuation at its default (which
+    # its settings leave out), and a run from a start critic not by one without
+    from hetero_plugins.scheduler.placement_training import _read_checkpoint, _write_checkpoint
+
+    ckpt = tmp_path / "c.npz.ckpt.npz"
+    _write_checkpoint(ckpt, {"ys": np.zeros(1)}, {"settings": {"seed": 0, "continuation": "policy",
+                                                               "start": stats["start"]}, "rounds": 1})
+    with pytest.raises(ValueError, match=r"--continuation null \(the checkpoint's run: policy\).*--start-critic "
+                                         r"\(another starting network than the checkpoint's run, fingerprint"):
+        _read_checkpoint(ckpt, {"seed": 0})
+    assert _read_checkpoint(ckpt, {"seed": 0, "continuation": "policy", "start": stats["start"]})[1]["rounds"] == 1
 
 
 def test_the_pretrain_critic_command_checks_its_options(capsys):

@@ -384,7 +384,7 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     """Train the planning relocator's critic (a learned correction of its rollout values) on the realised returns
     of the candidate moves met in closed-loop runs of a generated family's train split, and write the model file
     (an interrupted run resumes from its checkpoint <out>.ckpt.npz when rerun with the same settings)."""
-    from hetero_plugins.scheduler.critic_training import pretrain_critic
+    from hetero_plugins.scheduler.critic_training import CONTINUATIONS, pretrain_critic
 
     parser = argparse.ArgumentParser(prog="hetero-plugins pretrain-critic", description=pretrain_critic_main.__doc__)
     parser.add_argument("--out", default="rollout_correction_v1.npz", help="model file to write")
@@ -399,7 +399,7 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
                         "critic: 3)")
     parser.add_argument("--tail", type=float, default=0.0, help="count the last fork epoch's saving for every "
                         "epoch left after the horizon, discounted by this per epoch (0: off)")
-    parser.add_argument("--continuation", choices=("stay", "policy"), default="stay",
+    parser.add_argument("--continuation", choices=CONTINUATIONS, default="stay",
                         help="who moves in the forks after the boundary: nobody (stay, the shipped critic's) or "
                         "the relocator being run (policy: on-policy returns, about 3x the time per fork)")
     parser.add_argument("--start-critic", default=None, metavar="FILE",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.placement_policy import candidate_decision
 from hetero_plugins.scheduler.placement_training import (
+    _fingerprint,
     _read_checkpoint,
     _remove_checkpoint,
     _say_resuming,
@@ -35,16 +35,6 @@ from hetero_plugins.scheduler.sim import ClusterSim, load_scenario
 from hetero_plugins.scheduler.sim.loop import SimulationRun
 
 __all__ = ["CONTINUATIONS", "collect_rollout_returns", "pretrain_critic"]
-
-
-def _critic_fingerprint(critic: Any) -> str:
-    """A short digest of a critic's weights (the checkpoint's settings name the critic a run started from)."""
-    h = hashlib.sha256()
-    for layers in critic.members:
-        for w, b in layers:
-            h.update(np.ascontiguousarray(w, dtype=np.float64).tobytes())
-            h.update(np.ascontiguousarray(b, dtype=np.float64).tobytes())
-    return h.hexdigest()[:16]
 
 
 def collect_rollout_returns(scenarios: Sequence[Mapping[str, Any]], seeds: Sequence[int] = (0,),
@@ -202,6 +192,7 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     _check_continuation(continuation)
     first = start if start is None or isinstance(start, RolloutCorrection) \
         else RolloutCorrection.load(None if start == "shipped" else start)
+    start_id = None if first is None else _fingerprint([layer for m in first.members for layer in m])
     get = scenarios or relocation_scenarios
     train = [s for s in get("train", train_count, family)
              if s.get("free_slots") and any("corunner" in ev for ev in s.get("events", []))]
@@ -215,7 +206,7 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
                          horizon=horizon, known_future=known_future, forks=forks, tail=tail, members=members,
                          hidden=[int(h) for h in hidden], steps=steps, seed=seed,
                          **({} if continuation == "stay" else {"continuation": continuation}),
-                         **({} if first is None else {"start": _critic_fingerprint(first)}))
+                         **({} if start_id is None else {"start": start_id}))
     ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
     resumed = False
     if ckpt is not None and resume and ckpt.exists():
@@ -248,7 +239,7 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     stats = {"family": family, "clusters": len(train), "seeds": list(seeds), "rounds": max(int(rounds), done),
              "explore": explore, "horizon": horizon, "known_future": known_future, "forks": int(forks),
              "tail": float(tail), "continuation": continuation,
-             "start": None if first is None else _critic_fingerprint(first),
+             "start": start_id,
              "rows": int(len(ys)),
              "history": history, "seconds": round(time.perf_counter() - t0, 1), "resumed": resumed}
     model.meta.update(trained=stats)

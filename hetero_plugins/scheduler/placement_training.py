@@ -22,7 +22,7 @@ import io
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,15 +226,17 @@ def score(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 _FLAGS = {"family": "--family", "train_count": "--train", "val_count": "--val", "episodes_per_round": "--episodes",
           "seed": "--seed", "fit_steps": "--fit-steps", "returns": "--returns", "horizon": "--horizon",
           "init": "--init", "seeds": "--seeds", "explore": "--explore", "forks": "--forks", "tail": "--tail",
-          "members": "--members", "steps": "--fit-steps"}
+          "members": "--members", "steps": "--fit-steps", "continuation": "--continuation",
+          "start": "--start-critic"}
 
 
-def _fingerprint(net: PlacementNetwork | None) -> str | None:
-    """A short hash of a network's weights (``None`` for none): what a checkpoint records of ``--init``."""
-    if net is None:
+def _fingerprint(layers: Iterable[tuple[np.ndarray, np.ndarray]] | None) -> str | None:
+    """A short hash of a network's ``(W, b)`` layers (``None`` for none): what a checkpoint records of the network
+    a run started from (``--init``, ``--start-critic``)."""
+    if layers is None:
         return None
     h = hashlib.sha256()
-    for w, b in net.layers:
+    for w, b in layers:
         h.update(np.ascontiguousarray(w, dtype=np.float64).tobytes())
         h.update(np.ascontiguousarray(b, dtype=np.float64).tobytes())
     return h.hexdigest()[:16]
@@ -280,18 +282,19 @@ def _read_checkpoint(path: Path, settings: Mapping[str, Any]) -> tuple[dict[str,
     if not isinstance(saved, dict):
         raise ValueError(f"checkpoint {str(path)!r} records no settings (an older version wrote it), so whether it "
                          f"belongs to this run cannot be checked. HINT: {fresh}.")
-    diff = [k for k in settings if saved.get(k) != settings[k]]
+    # a setting either side records (one left at its default may be left out of the settings: absent is None)
+    diff = [k for k in (*settings, *(k for k in saved if k not in settings)) if saved.get(k) != settings.get(k)]
     if diff:
         parts = []
         for k in diff:
             flag = _FLAGS.get(k)
-            if k == "init":
-                parts.append("--init (another starting network than the checkpoint's run, "
-                             f"{'none' if saved.get(k) is None else 'fingerprint ' + str(saved.get(k))})")
+            if k in ("init", "start"):
+                was = "none" if saved.get(k) is None else f"fingerprint {saved.get(k)}"
+                parts.append(f"{flag} (another starting network than the checkpoint's run, {was})")
             elif flag is None:
-                parts.append(f"`{k}`={_show(settings[k])} (the checkpoint's run: {_show(saved.get(k))})")
+                parts.append(f"`{k}`={_show(settings.get(k))} (the checkpoint's run: {_show(saved.get(k))})")
             else:
-                parts.append(f"{flag} {_show(settings[k])} (the checkpoint's run: {_show(saved.get(k))})")
+                parts.append(f"{flag} {_show(settings.get(k))} (the checkpoint's run: {_show(saved.get(k))})")
         raise ValueError(f"checkpoint {str(path)!r} was written by a run with other settings: {'; '.join(parts)}. "
                          f"HINT: rerun with the checkpoint's settings to resume it, or {fresh}.")
     return arrays, meta
@@ -356,7 +359,7 @@ def pretrain_placement(
     best, best_val, rounds = cur.copy(), -np.inf, 0
     settings = _settings(family=family, train_count=train_count, val_count=val_count,
                          episodes_per_round=episodes_per_round, seed=seed, fit_steps=fit_steps, returns=returns,
-                         horizon=horizon, init=_fingerprint(net), gamma=gamma, lr=lr)
+                         horizon=horizon, init=_fingerprint(None if net is None else net.layers), gamma=gamma, lr=lr)
     ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
     resumed = False
     if ckpt is not None and resume and ckpt.exists():
