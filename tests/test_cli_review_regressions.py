@@ -119,6 +119,25 @@ def test_pretrain_critic_refuses_another_runs_checkpoint_and_resumes_its_own(tmp
     assert out.is_file() and not ckpt.exists()
 
 
+def test_a_checkpoint_missing_an_entry_is_a_clean_error(tmp_path, capsys):
+    """A checkpoint of this run (same settings) that lacks an array it needs names the file, the entry and the fix,
+    and --no-resume starts over."""
+    out = tmp_path / "c.npz"
+    ckpt = tmp_path / "c.npz.ckpt.npz"
+    _kill_after_first_checkpoint("pretrain-critic", [*CRITIC, "--out", str(out)], ckpt)
+    with np.load(ckpt, allow_pickle=False) as z:
+        kept = {k: z[k] for k in z.files if k != "ys"}
+    with open(ckpt, "wb") as f:
+        np.savez_compressed(f, **kept)
+    args = ["pretrain-critic", *CRITIC, "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {str(ckpt)!r} is incomplete (KeyError" in err and "'ys'" in err
+    assert "--no-resume" in err and "Traceback" not in err and ckpt.is_file()
+    assert main([*args, "--no-resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["resumed"] is False and not ckpt.exists()
+
+
 # ---------------------------------------------------------------------------------------------------- paths first
 @pytest.mark.parametrize("command, flag", [
     ("pretrain-placement", "--out"), ("pretrain-critic", "--out"), ("transfer", "--out"),

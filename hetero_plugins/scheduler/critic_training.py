@@ -22,10 +22,10 @@ from hetero_plugins._validation import check_float, check_int
 from hetero_plugins.progress import progress
 from hetero_plugins.scheduler.placement_policy import candidate_decision
 from hetero_plugins.scheduler.placement_training import (
+    _checkpoint,
     _fingerprint,
-    _read_checkpoint,
     _remove_checkpoint,
-    _say_resuming,
+    _restoring,
     _settings,
     _write_checkpoint,
     default_predictor,
@@ -207,18 +207,10 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
                          hidden=[int(h) for h in hidden], steps=steps, seed=seed,
                          **({} if continuation == "stay" else {"continuation": continuation}),
                          **({} if start_id is None else {"start": start_id}))
-    ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
-    resumed = False
-    if ckpt is not None and resume and ckpt.exists():
-        arrays, meta = _read_checkpoint(ckpt, settings)
-        try:
-            xs, ys = arrays["xs"], arrays["ys"]
-            done, history = int(meta["rounds"]), list(meta["history"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"checkpoint {str(ckpt)!r} is incomplete ({type(err).__name__}: {err}). HINT: pass "
-                             f"--no-resume (resume=False) to start from scratch, or delete it.") from None
-        resumed = True
-        _say_resuming(ckpt, done)
+    ckpt, saved = _checkpoint(out, resume, settings)
+    if resumed := saved is not None:
+        with _restoring(ckpt, saved) as (arrays, meta):
+            xs, ys, done, history = arrays["xs"], arrays["ys"], int(meta["rounds"]), list(meta["history"])
     model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed) if done else first
     for r in range(done, int(rounds)):
         bar = progress(total=len(train), desc=f"critic round {r + 1}/{rounds}: realised returns", unit="cluster")

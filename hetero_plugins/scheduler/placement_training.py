@@ -22,7 +22,7 @@ import io
 import json
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +300,31 @@ def _read_checkpoint(path: Path, settings: Mapping[str, Any]) -> tuple[dict[str,
     return arrays, meta
 
 
+def _checkpoint(out: str | Path | None, resume: bool, settings: Mapping[str, Any],
+                ) -> tuple[Path | None, tuple[dict[str, np.ndarray], dict[str, Any]] | None]:
+    """The checkpoint path of a run writing ``out`` (``<out>.ckpt.npz``; ``None`` without ``out``), and, when
+    ``resume`` and it exists, its arrays and meta (checked against ``settings`` by :func:`_read_checkpoint`)."""
+    path = None if out is None else Path(str(out) + ".ckpt.npz")
+    if path is None or not resume or not path.exists():
+        return path, None
+    return path, _read_checkpoint(path, settings)
+
+
+@contextlib.contextmanager
+def _restoring(path: Path, saved: tuple[dict[str, np.ndarray], dict[str, Any]],
+               ) -> Iterator[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+    """Hand the block the ``(arrays, meta)`` read from the checkpoint ``path``; a missing or malformed entry met
+    while restoring them becomes one ``ValueError`` naming the file and the fix, and a restore that succeeds says
+    so on stderr (the rounds done, from ``meta["rounds"]``)."""
+    try:
+        yield saved
+        done = int(saved[1]["rounds"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete ({type(err).__name__}: {err}). HINT: pass "
+                         f"--no-resume (resume=False) to start from scratch, or delete it.") from None
+    _say_resuming(path, done)
+
+
 def _prefixed(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {f"{prefix}{k}": v for k, v in arrays.items()}
 
@@ -360,21 +385,14 @@ def pretrain_placement(
     settings = _settings(family=family, train_count=train_count, val_count=val_count,
                          episodes_per_round=episodes_per_round, seed=seed, fit_steps=fit_steps, returns=returns,
                          horizon=horizon, init=_fingerprint(None if net is None else net.layers), gamma=gamma, lr=lr)
-    ckpt = None if out is None else Path(str(out) + ".ckpt.npz")
-    resumed = False
-    if ckpt is not None and resume and ckpt.exists():
-        arrays, meta = _read_checkpoint(ckpt, settings)
-        try:
+    ckpt, saved = _checkpoint(out, resume, settings)
+    if resumed := saved is not None:
+        with _restoring(ckpt, saved) as (arrays, meta):
             xs, ys = arrays["xs"], arrays["ys"]
             cur = PlacementNetwork(mlp_from_arrays(_unprefixed("net_", arrays)), start.meta)
             best = PlacementNetwork(mlp_from_arrays(_unprefixed("best_", arrays)), start.meta)
             best_val, rounds, history = float(meta["best_val"]), int(meta["rounds"]), list(meta["history"])
             rng.bit_generator.state = meta["rng"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"checkpoint {str(ckpt)!r} is incomplete ({type(err).__name__}: {err}). HINT: pass "
-                             f"--no-resume (resume=False) to start from scratch, or delete it.") from None
-        resumed = True
-        _say_resuming(ckpt, rounds)
     greedy = {r["scenario"]: r["greedy"] for r in evaluate_relocation(val, policies=("greedy",), predictor=predictor)}
 
     def val_score(net: PlacementNetwork) -> float:
