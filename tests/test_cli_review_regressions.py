@@ -138,6 +138,25 @@ def test_a_checkpoint_missing_an_entry_is_a_clean_error(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["resumed"] is False and not ckpt.exists()
 
 
+def test_pretrain_critic_rounds_and_hidden_reach_the_model(tmp_path, capsys):
+    """--rounds and --hidden are the API's ``rounds`` and ``hidden``: one round is run, and the networks have the
+    widths asked for; a checkpoint of other widths is not resumed."""
+    out = tmp_path / "c.npz"
+    assert main(["pretrain-critic", *CRITIC, "--rounds", "1", "--hidden", "4,3", "--out", str(out)]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert [h["round"] for h in stats["history"]] == [1] and stats["rounds"] == 1
+    from hetero_plugins.scheduler.rollout_correction import RolloutCorrection
+
+    model = RolloutCorrection.load(out)
+    assert model.meta["hidden"] == [4, 3]
+    assert [w.shape for w, _ in model.members[0]] == [(18, 4), (4, 3), (3, 1)]
+    ckpt = tmp_path / "d.npz.ckpt.npz"
+    _kill_after_first_checkpoint("pretrain-critic", [*CRITIC, "--hidden", "4,3", "--out", str(tmp_path / "d.npz")],
+                                 ckpt)
+    assert main(["pretrain-critic", *CRITIC, "--out", str(tmp_path / "d.npz")]) == 2
+    assert "--hidden [32, 32] (the checkpoint's run: [4, 3])" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------- paths first
 @pytest.mark.parametrize("command, flag", [
     ("pretrain-placement", "--out"), ("pretrain-critic", "--out"), ("transfer", "--out"),
@@ -189,6 +208,9 @@ def test_every_command_names_seed_the_same_way(capsys, argv):
     (["transfer", "paper_mix", "--scenario", "interference"], "two scenarios given"),
     (["profile-interference", "--batch-scales", "x"], "`--batch-scales`='x' must be comma-separated integers"),
     (["profile-interference", "--intensities", "0"], "`--intensities`='0' must be comma-separated integers"),
+    (["pretrain-critic", "--rounds", "0"], "`--rounds` must be >= 1, got 0"),
+    (["pretrain-critic", "--hidden", "32,x"], "`--hidden` must be comma-separated layer widths >= 1, got '32,x'"),
+    (["pretrain-critic", "--hidden", "0"], "`--hidden` must be comma-separated layer widths >= 1, got '0'"),
 ])
 def test_bad_options_are_usage_errors_naming_the_flag(capsys, argv, message):
     assert main(argv) == 2

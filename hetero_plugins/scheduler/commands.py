@@ -405,14 +405,18 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-critic", default=None, metavar="FILE",
                         help="critic whose relocator runs the first round ('shipped' or a model file; default: "
                         "the plain planning relocator)")
+    parser.add_argument("--rounds", type=int, default=2, help="DAgger rounds: the first run by the plain planning "
+                        "relocator (or --start-critic's), each later one by the critic fit so far (the shipped "
+                        "critic: 2)")
     parser.add_argument("--members", type=int, default=5, help="networks in the ensemble")
+    parser.add_argument("--hidden", default="32,32", help="hidden layer widths of each network, comma-separated")
     parser.add_argument("--fit-steps", type=int, default=3000, help="gradient steps per member")
     parser.add_argument("--workers", type=int, default=1, help="processes collecting the returns (same result)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-resume", action="store_true",
                         help="start from scratch even if an unfinished run left a checkpoint (<out>.ckpt.npz)")
     args = parser.parse_args(argv)
-    for name in ("train", "seeds", "horizon", "forks", "members", "fit_steps", "workers"):
+    for name in ("train", "seeds", "horizon", "forks", "rounds", "members", "fit_steps", "workers"):
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
             print(f"error: `--{flag}` must be >= 1, got {getattr(args, name)}. HINT: e.g. --{flag} 2", file=sys.stderr)
@@ -422,13 +426,21 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
             print(f"error: `--{name}` must be in [0, 1], got {getattr(args, name)}. HINT: e.g. --{name} {example}",
                   file=sys.stderr)
             return 2
+    try:
+        hidden = tuple(int(h) for h in args.hidden.split(","))
+    except ValueError:
+        hidden = ()
+    if not hidden or min(hidden) < 1:
+        print(f"error: `--hidden` must be comma-separated layer widths >= 1, got {args.hidden!r}. HINT: e.g. "
+              "--hidden 32,32", file=sys.stderr)
+        return 2
     err = _first(_seed_error(args.seed), _out_error(args.out), _out_error(args.out + ".ckpt.npz", "--out's checkpoint"))
     if err is not None:
         return _error(err)
     return _train_and_report(args.out, lambda: pretrain_critic(
         out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
         explore=args.explore, horizon=args.horizon, forks=args.forks, tail=args.tail,
-        members=args.members, steps=args.fit_steps, continuation=args.continuation, start=args.start_critic,
+        rounds=args.rounds, members=args.members, hidden=hidden, steps=args.fit_steps, continuation=args.continuation, start=args.start_critic,
         seed=args.seed, workers=args.workers, resume=not args.no_resume)[1])
 
 

@@ -227,7 +227,7 @@ _FLAGS = {"family": "--family", "train_count": "--train", "val_count": "--val", 
           "seed": "--seed", "fit_steps": "--fit-steps", "returns": "--returns", "horizon": "--horizon",
           "init": "--init", "seeds": "--seeds", "explore": "--explore", "forks": "--forks", "tail": "--tail",
           "members": "--members", "steps": "--fit-steps", "continuation": "--continuation",
-          "start": "--start-critic"}
+          "start": "--start-critic", "hidden": "--hidden"}
 
 
 def _fingerprint(layers: Iterable[tuple[np.ndarray, np.ndarray]] | None) -> str | None:
