@@ -14,10 +14,10 @@ from typing import Any
 
 from hetero_plugins._files import check_output_path
 from hetero_plugins.balancing.allocators import ALLOCATORS, get_allocator
+from hetero_plugins.progress import progress, timed
 from hetero_plugins.scheduler.pretrain import pretrain_dqn, pretrain_ncf
 from hetero_plugins.scheduler.sim import BUILTIN_SCENARIOS, load_scenario, oracle, simulate
 from hetero_plugins.scheduler.transfer import transfer_dqn
-from hetero_plugins.progress import progress, timed
 
 __all__ = ["compare", "default_relocation", "pretrain_critic_main", "pretrain_main", "pretrain_placement_main",
            "simulate_main", "transfer_main"]
