@@ -35,7 +35,8 @@ def _allocators(text: str) -> list[str]:
             get_allocator(a)
         except ValueError:
             raise ValueError(f"`--allocators`={text!r}: {a!r} is not an allocator. HINT: use names from "
-                             f"{sorted(ALLOCATORS)}, comma-separated, e.g. --allocators equal_finish,dqn,auto") from None
+                             f"{sorted(ALLOCATORS)}, comma-separated, e.g. --allocators equal_finish,dqn,auto"
+                             ) from None
     return names
 
 
@@ -159,7 +160,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the scenario's)")
     parser.add_argument("--seed", type=int, default=None, help="noise seed (default: the scenario's)")
     parser.add_argument("--relocate", action="store_true",
-                        help="let the policy move ranks to free slots (stage 2: NCF-predicted lines, restart_cost per move)")
+                        help="let the policy move ranks to free slots (stage 2: NCF-predicted lines, restart_cost "
+                        "per move)")
     parser.add_argument("--replan-every", type=int, default=None, metavar="STEPS",
                         help="re-plan within each epoch every STEPS steps, as the Lightning integrations do with "
                              "their replan_every option (default: at epoch ends only)")
@@ -302,7 +304,8 @@ def transfer_main(argv: list[str] | None = None) -> int:
     """Fine-tune the DQN (default: the shipped one) for a new cluster scenario and write the model file."""
     parser = argparse.ArgumentParser(prog="hetero-plugins transfer", description=transfer_main.__doc__)
     parser.add_argument("scenario_pos", nargs="?", default=None, metavar="SCENARIO", help="same as --scenario")
-    parser.add_argument("--scenario", default=None, help="built-in scenario name or scenario JSON file of the new cluster")
+    parser.add_argument("--scenario", default=None,
+                        help="built-in scenario name or scenario JSON file of the new cluster")
     parser.add_argument("--from", "--model", dest="model", default=None, metavar="MODEL",
                         help="source DQN model file (default: the shipped one)")
     parser.add_argument("--out", default="dqn_transfer.npz")
@@ -314,7 +317,8 @@ def transfer_main(argv: list[str] | None = None) -> int:
                       "HINT: give only --scenario.")
     name = args.scenario or args.scenario_pos
     if name is None:
-        print("error: no scenario given. HINT: hetero-plugins transfer --from MODEL --scenario NAME|FILE", file=sys.stderr)
+        print("error: no scenario given. HINT: hetero-plugins transfer --from MODEL --scenario NAME|FILE",
+              file=sys.stderr)
         return 2
     err = _first(_seconds_error(args.seconds, "20"), _seed_error(args.seed), _out_error(args.out))
     if err is not None:
@@ -440,8 +444,9 @@ def pretrain_critic_main(argv: list[str] | None = None) -> int:
     return _train_and_report(args.out, lambda: pretrain_critic(
         out=args.out, family=args.family, train_count=args.train, seeds=tuple(range(args.seeds)),
         explore=args.explore, horizon=args.horizon, forks=args.forks, tail=args.tail,
-        rounds=args.rounds, members=args.members, hidden=hidden, steps=args.fit_steps, continuation=args.continuation, start=args.start_critic,
-        seed=args.seed, workers=args.workers, resume=not args.no_resume)[1])
+        rounds=args.rounds, members=args.members, hidden=hidden, steps=args.fit_steps,
+        continuation=args.continuation, start=args.start_critic, seed=args.seed, workers=args.workers,
+        resume=not args.no_resume)[1])
 
 
 def _train_and_report(out: str, train: Callable[[], dict[str, Any]]) -> int:
