@@ -166,8 +166,7 @@ def test_on_policy_returns_and_a_start_critic(tmp_path):
     path = never.save(tmp_path / "never.npz")
     _, stats = pretrain_critic(train_count=1, seeds=(0,), rounds=1, members=2, steps=50, forks=1, start=str(path),
                                horizon=3, explore=0.3, continuation="policy", scenarios=lambda split, n, fam: [spec])
-    direct = follows
-    assert stats["rows"] == len(direct[1]) and stats["continuation"] == "policy"
+    assert stats["rows"] == len(follows[1]) and stats["continuation"] == "policy"
     assert isinstance(stats["start"], str) and len(stats["start"]) == 16
     with pytest.raises(ValueError, match="continuation"):
         pretrain_critic(continuation="frozen")

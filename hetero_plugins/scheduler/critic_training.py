@@ -211,6 +211,8 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
     if resumed := saved is not None:
         with _restoring(ckpt, saved) as (arrays, meta):
             xs, ys, done, history = arrays["xs"], arrays["ys"], int(meta["rounds"]), list(meta["history"])
+    # a resumed run's critic so far (also the result when the checkpoint has every round asked for); else the start
+    # critic, and rounds >= 1 fits one
     model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed) if done else first
     for r in range(done, int(rounds)):
         bar = progress(total=len(train), desc=f"critic round {r + 1}/{rounds}: realised returns", unit="cluster")
@@ -226,13 +228,9 @@ def pretrain_critic(out: str | Path | None = None, family: str = "default", trai
         history.append({"round": r + 1, "rows": int(len(ys)), "seconds": round(time.perf_counter() - t0, 1)})
         if ckpt is not None:
             _write_checkpoint(ckpt, {"xs": xs, "ys": ys}, {"settings": settings, "rounds": r + 1, "history": history})
-    if model is None:  # resumed a checkpoint of more rounds than asked for now
-        model = RolloutCorrection.fit(xs, ys, members=members, hidden=hidden, steps=steps, seed=seed)
     stats = {"family": family, "clusters": len(train), "seeds": list(seeds), "rounds": max(int(rounds), done),
              "explore": explore, "horizon": horizon, "known_future": known_future, "forks": int(forks),
-             "tail": float(tail), "continuation": continuation,
-             "start": start_id,
-             "rows": int(len(ys)),
+             "tail": float(tail), "continuation": continuation, "start": start_id, "rows": int(len(ys)),
              "history": history, "seconds": round(time.perf_counter() - t0, 1), "resumed": resumed}
     model.meta.update(trained=stats)
     if out is not None:
